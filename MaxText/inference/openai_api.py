@@ -606,9 +606,11 @@ class ChoiceText:
                context: Sequence[int] = ()):
     self.decode, self.stops, self.stop_ids = decode, list(stops), frozenset(stop_ids)
     self.context = list(context)
-    self._context_text = decode(self.context) if self.context else ""
     self.tokens: list[int] = []
     self.text = ""
+    # Only the tokens since the last settled ones are decoded (after those, for their leading space): decoding the
+    # whole choice at every call made a long completion's text quadratic in its length, on the event loop.
+    self._window = _DecodeWindow(decode, self.context)
     self.sent = 0
     self.stopped = False  # a stop sequence was found (the job is then cancelled)
     self._hold = max((len(s) for s in self.stops), default=1) - 1
@@ -641,11 +643,7 @@ class ChoiceText:
   def _decode(self) -> str:
     """The choice's tokens as text after the context's; the tokens alone where the context's text is not a prefix
     (a context ending inside a UTF-8 sequence that the first token completes)."""
-    if self.context:
-      text = self.decode(self.context + self.tokens)
-      if text.startswith(self._context_text):
-        return text[len(self._context_text):]
-    return self.decode(self.tokens)
+    return self._window.text(self.tokens)
 
   def _settled_end(self) -> int:
     """Where the characters no later token can change end: a trailing U+FFFD may be an incomplete UTF-8
@@ -658,7 +656,9 @@ class ChoiceText:
   def _advance(self, settled: int) -> str:
     """Ends the text at the first stop sequence within its first `settled` characters, else sends
     those that no stop sequence can still claim."""
-    found = [i for i in (self.text.find(s, 0, settled) for s in self.stops) if i >= 0]
+    # None starts before `sent`: a stop there would have ended within text already searched (sent trails it by
+    # the longest stop's length less one).
+    found = [i for i in (self.text.find(s, self.sent, settled) for s in self.stops) if i >= 0]
     if found:
       self.text, self.stopped = self.text[:min(found)], True
       return self._send_to(len(self.text))
@@ -675,6 +675,38 @@ class ChoiceText:
       return ""
     delta, self.sent = self.text[self.sent:end], end
     return delta
+
+
+class _DecodeWindow:
+  """The text of a growing list of tokens, decoding only those after the last settled run (with that run before
+  them, for the leading space SentencePiece writes after a word): the text so far is the settled runs' texts joined,
+  then the unsettled tokens' (a run settles once its text grows and does not end inside a UTF-8 character, U+FFFD)."""
+
+  def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int]):
+    self.decode = decode
+    self.ids = list(context)
+    self.from_context = bool(self.ids)  # the window still starts inside the context
+    self._prefix, self._read = 0, len(self.ids)  # ids[prefix:read]: the last settled run (at first the context)
+    self._before = decode(self.ids) if self.ids else ""
+    self._settled = ""
+    self._seen = 0  # how many of the tokens are in ids
+
+  def text(self, tokens: Sequence[int]) -> str:
+    """The text of `tokens`, which extend those of the previous call."""
+    self.ids += tokens[self._seen:]
+    self._seen = len(tokens)
+    after = self.decode(self.ids[self._prefix:])
+    if self.from_context and not after.startswith(self._before):
+      # The context's text is no prefix (it ended inside a character the tokens complete): the tokens alone.
+      self.ids, self._prefix, self._read, self._before, self.from_context = list(tokens), 0, 0, "", False
+      after = self.decode(self.ids)
+    tail = after[len(self._before):]
+    if tail and not tail.endswith("\ufffd"):
+      self._settled += tail
+      self._prefix, self._read, self.from_context = self._read, len(self.ids), False
+      self._before = self.decode(self.ids[self._prefix:])
+      return self._settled
+    return self._settled + tail
 
 
 class TokenTexts:
@@ -747,10 +779,20 @@ def completion_logprobs(texts: Sequence[str], tokens: Sequence[int], logprobs: S
   for text in texts:
     offsets.append(at)
     at += len(text)
-  top = [None if t is None else _by_text(_with_chosen(list(t)[:how_many], tokens[i], logprobs[i]),
+  floored = [None if v is None else _floored(v) for v in logprobs]
+  top = [None if t is None else _by_text(_with_chosen([(a, _floored(v)) for a, v in list(t)[:how_many]], tokens[i],
+                                                      floored[i]),
                                          functools.partial(_text_of, tokens[i], texts[i], functools.partial(alternative, i)))
          for i, t in enumerate(tops)]
-  return {"tokens": list(texts), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+  return {"tokens": list(texts), "token_logprobs": floored, "top_logprobs": top,
+          "text_offset": offsets}
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability reads as (JSON has no infinity; the OpenAI API's own floor)
+
+
+def _floored(logprob: float) -> float:
+  return LOGPROB_FLOOR if logprob < LOGPROB_FLOOR else logprob
 
 
 def _text_of(chosen: int, chosen_text: str, alternative: Callable[[int], str], token: int) -> str:

@@ -14,6 +14,8 @@ import os
 import time
 from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
 
+import orjson
+
 from MaxText.inference import job_events, lora_admin
 from MaxText.inference import openai_api as api
 from MaxText.inference import serve_metrics
@@ -131,7 +133,13 @@ def error_response(e: api.ApiError) -> Any:
 
 
 def sse(obj: object) -> str:
-  return f"data: {json.dumps(obj)}\n\n"
+  """One server-sent event. orjson writes a chunk several times faster than json (the JSON of each chunk is a
+  large share of a stream's time on the event loop); a value orjson refuses (a lone surrogate in a text) goes
+  through json."""
+  try:
+    return f"data: {orjson.dumps(obj).decode()}\n\n"
+  except TypeError:  # orjson.JSONEncodeError
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 def build_app(server: HttpServer, api_key: str | None = None, max_body_bytes: int = 1 << 20,

@@ -271,3 +271,110 @@ def test_streamed_text_offsets_count_from_the_choices_start_as_unstreamed():
   chunks = [json.loads(e[len("data: "):]) for piece in pieces for e in piece.split("\n\n") if e.startswith("data: {")]
   offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
   assert offsets == list(range(len("say:") + len(TEXT))), offsets
+
+
+def _tokenizers() -> dict[str, object]:
+  """A byte-level BPE (GPT-2/Llama 3 style) and a SentencePiece-style BPE with byte fallback and a leading-space
+  strip (Llama 2 style), trained here on a few sentences."""
+  import json as _json
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  text = "the quick brown fox jumps over a lazy dog; to be or not to be, that is the question. naïve café 日本 ok"
+  byte_level = Tokenizer(models.BPE())
+  byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  byte_level.decoder = decoders.ByteLevel()
+  byte_level.train_from_iterator([text] * 4, trainers.BpeTrainer(vocab_size=320,
+                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  piece = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+  piece.pre_tokenizer = pre_tokenizers.Metaspace()
+  piece.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+  piece.train_from_iterator([text] * 4, trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<unk>"] + [f"<0x{b:02X}>" for b in range(256)]))
+  spec = _json.loads(piece.to_str())  # the byte tokens are vocabulary, not special tokens decode would skip
+  spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] == "<unk>"]
+  return {"byte-level": byte_level, "sentencepiece": Tokenizer.from_str(_json.dumps(spec))}
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_choices_text_decodes_only_its_new_tokens_and_equals_the_whole_decode(kind: str):
+  """Was: every call decoded the choice's whole token list (and with stop sequences every token did), so a long
+  completion cost the event loop time quadratic in its length (4096 tokens: most of a second). Now the work per
+  call is the tokens since the last settled ones, and the text, the deltas and the stop cut are those of decoding
+  the whole: random ids of two tokenizer styles (byte pieces among them), a prompt token before, 1 to 8 tokens a
+  call, with and without stop sequences."""
+  tokenizer = _tokenizers()[kind]
+  decoded = [0]
+
+  def decode(ids: list[int]) -> str:
+    decoded[0] += len(ids)
+    return tokenizer.decode(ids)  # type: ignore[attr-defined]
+
+  vocab = tokenizer.get_vocab_size()  # type: ignore[attr-defined]
+  rng = np.random.default_rng(1)
+  byte_ids = {tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None}  # type: ignore[attr-defined]
+  words = [i for i in range(1, vocab) if i not in byte_ids]
+
+  def draw(length: int) -> list[int]:
+    """Ids as a model writes them: byte-fallback tokens only as whole UTF-8 characters (a run of byte tokens
+    that is not UTF-8 reads as U+FFFD throughout, a text that later tokens rewrite, which no stream can send)."""
+    if not byte_ids:
+      return [int(i) for i in rng.integers(1, vocab, length)]
+    out: list[int] = []
+    while len(out) < length:
+      if rng.random() < 0.25:
+        out += [tokenizer.token_to_id(f"<0x{b:02X}>") for b in "é日\U0001F600"[int(rng.integers(0, 3))].encode()]  # type: ignore[attr-defined]
+      else:
+        out.append(words[int(rng.integers(0, len(words)))])
+    return out
+
+  for trial in range(120):
+    ids = draw(int(rng.integers(1, 40)))
+    context = draw(1)[-1:]
+    whole = tokenizer.decode(context + ids)  # type: ignore[attr-defined]
+    head = tokenizer.decode(context)  # type: ignore[attr-defined]
+    expected = whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)  # type: ignore[attr-defined]
+    at = int(rng.integers(0, max(len(expected), 1)))
+    stops = [expected[at:at + int(rng.integers(1, 4))]] if trial % 3 and expected.strip("\ufffd") else []
+    for per_call in (1, 3, 8):
+      text, deltas = api.ChoiceText(decode, stops, context=context), []
+      for start in range(0, len(ids), per_call):
+        deltas.append(text.add_many(ids[start:start + per_call])[0])
+        if text.stopped:
+          break
+      deltas.append(text.flush())
+      assert "".join(deltas) == text.text, (kind, ids, stops, per_call)
+      if text.stopped:
+        assert any(expected.startswith(text.text + s) for s in stops), (kind, ids, stops, per_call)
+        assert not any(s in text.text for s in stops)
+      else:
+        assert text.text == expected, (kind, context, ids, per_call)
+  for _ in range(40):  # any ids, invalid byte runs too: what went out is the text
+    ids = [int(i) for i in rng.integers(1, vocab, 30)]
+    text, deltas = api.ChoiceText(decode, [], context=ids[:1]), []
+    deltas += [text.add_many(ids[start:start + 3])[0] for start in range(1, len(ids), 3)] + [text.flush()]
+    assert "".join(deltas) == text.text, (kind, ids)
+  long_ids = draw(3000)
+  for stops in ([], ["\x00never"]):
+    decoded[0] = 0
+    text = api.ChoiceText(decode, stops, context=long_ids[:1])
+    for token in long_ids[1:]:
+      text.add_many([token])
+    text.flush()
+    assert decoded[0] < 20 * len(long_ids), (stops, decoded[0])  # was ~ n^2 / 2: 4.5 million
+
+
+def test_an_event_is_json_whatever_its_text_and_an_infinite_logprob_reads_as_the_floor():
+  """Server-sent events are written by orjson; a text orjson refuses (a lone surrogate, which a request's text can
+  hold) still goes out, through json; a -inf log-probability is -9999.0, as the OpenAI API reports it (was: json's
+  `-Infinity`, which is not JSON: a strict client's parser rejects the whole event)."""
+  from MaxText.inference import serve_app
+
+  for obj in ({"text": "caf\u00e9 \U0001F600", "n": [1, 2.5, None]}, {"text": "lone \ud800 surrogate"}):
+    event = serve_app.sse(obj)
+    assert event.startswith("data: ") and event.endswith("\n\n") and json.loads(event[6:]) == obj
+  out = api.completion_logprobs(["a", "b"], [1, 2], [float("-inf"), -0.5], [[(1, float("-inf"))], [(3, -0.1)]], 1,
+                                lambda i, token: chr(96 + token))
+  assert out["token_logprobs"] == [-9999.0, -0.5] and out["top_logprobs"] == [{"a": -9999.0}, {"c": -0.1, "b": -0.5}]
+  json.loads(serve_app.sse(out)[6:], parse_constant=lambda name: pytest.fail(f"{name} in an event"))
