@@ -226,3 +226,30 @@ def test_load_full_state_path_one_level_off_says_what_to_give(saved, tmp_path):
                                  run.setup.state_shardings.params)
   assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(params),
                                                                            jax.tree.leaves(state.params)))
+
+
+def test_orbax_error_lines_during_a_save_wait_for_its_outcome(caplog):
+  """Orbax logs a failed save's causes (ERROR, from its threads) before raising them; the run's one error line says
+  the same, so those lines are dropped when the save fails, and logged when it does not. Outside a save they go out
+  at once."""
+  import logging
+
+  from MaxText.run_dir import checkpointing
+
+  def orbax_error(message: str) -> None:
+    logging.getLogger("absl").handle(logging.LogRecord("absl", logging.ERROR, "/x/orbax/checkpoint/_src/f.py", 1,
+                                                       message, None, None))
+
+  held = checkpointing._SAVE_ERRORS
+  with caplog.at_level(logging.ERROR, logger="absl"):
+    orbax_error("outside a save")
+    held.hold()
+    orbax_error("cause of a failed save")
+    held.drop()
+    held.hold()
+    orbax_error("logged by a save that then succeeded")
+    assert [r.getMessage() for r in caplog.records] == ["outside a save"]
+    held.release()
+    orbax_error("after it")
+  assert [r.getMessage() for r in caplog.records] == ["outside a save", "logged by a save that then succeeded",
+                                                      "after it"]

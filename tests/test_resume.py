@@ -155,6 +155,7 @@ def test_a_failed_save_exits_with_its_line_instead_of_waiting_for_orbax_threads(
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
   assert proc.returncode == 3 and len(errors) == 1, proc.stderr[-3000:]
   assert errors[0].startswith(f"error: saving checkpoint of step 2 to {tmp_path / 'stuck' / 'checkpoints'} failed: ")
+  assert "ERROR:absl" not in proc.stderr, proc.stderr[-3000:]  # was: Orbax's three lines about it first
   assert not (tmp_path / "stuck" / "lease.json").exists()  # released before the exit
 
 

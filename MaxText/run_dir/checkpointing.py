@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import threading
 import time
 from typing import Any, Generic, TypeVar
 
@@ -159,6 +161,44 @@ class EventLog(ocp.logging.AbstractLogger):  # type: ignore[misc]
       self._log.write_line(json.dumps(entry, default=str, sort_keys=True))
 
 
+class _HeldSaveErrors(logging.Filter):
+  """Orbax logs a failed save's causes as ERROR lines from its threads, then raises the same failure, which the run
+  reports as its one `error:` line: its ERROR records wait here until the save's outcome is known, dropped when it
+  failed, logged when it did not. Only while a save is under way (`hold`): Orbax's other ERROR lines go out."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self._lock = threading.Lock()
+    self._held: list[logging.LogRecord] = []
+    self._holding = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not self._holding or record.levelno < logging.ERROR or "orbax" not in record.pathname:
+      return True
+    with self._lock:
+      self._held.append(record)
+    return False
+
+  def hold(self) -> None:
+    self._holding = True
+
+  def drop(self) -> None:
+    with self._lock:
+      self._held.clear()
+      self._holding = False
+
+  def release(self) -> None:
+    with self._lock:
+      held, self._held = self._held, []
+      self._holding = False
+    for record in held:
+      logging.getLogger(record.name).handle(record)
+
+
+_SAVE_ERRORS = _HeldSaveErrors()
+logging.getLogger("absl").addFilter(_SAVE_ERRORS)
+
+
 class RunCheckpoints:
   """The run's CheckpointManager: periodic (async) saves, resume with fallback, clear failures."""
 
@@ -232,6 +272,7 @@ class RunCheckpoints:
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
                                  META: ocp.args.JsonSave(meta)})
     storage_retry.note_saved(self.directory, self._durable_step, pending=step)
+    _SAVE_ERRORS.hold()
     try:
       storage_retry.call(f"saving checkpoint step {step}", self.directory,
                          lambda: self._manager.save(step, args=args, force=True), retry=False)
@@ -244,6 +285,7 @@ class RunCheckpoints:
       self.wait(step)
 
   def _save_error(self, step: int, error: BaseException) -> TrainingError:
+    _SAVE_ERRORS.drop()  # Orbax's lines about this failure: the error says it
     older = [s for s in self._steps_on_storage() if s != step]
     kept = f"older checkpoints are untouched ({', '.join(map(str, older[-3:]))})" if older else "no older checkpoint"
     return SaveFailed(f"saving checkpoint of step {step} to {self.directory} failed: {first_line(error)}; "
@@ -274,6 +316,7 @@ class RunCheckpoints:
       raise
     except Exception as e:  # noqa: BLE001
       raise self._save_error(pending, e) from None
+    _SAVE_ERRORS.release()  # nothing failed: whatever Orbax logged is shown as it was
     if self._saved_here:
       self._durable_step = self.last_saved_step
       storage_retry.note_saved(self.directory, self._durable_step)
