@@ -4,7 +4,8 @@ config.json), as a layer `startup.start` puts below the user's own arguments."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import math
+from typing import Any, Iterator, Mapping, Sequence
 
 from MaxText import families
 from MaxText.configuration import run_record, tool_args
@@ -50,6 +51,8 @@ class HfModelKeys:
     self.hf_config = hf_io.read_hf_config(self.hf_path)
     family = families.family_for_hf_config(self.hf_config)
     schema = config_yaml.read_yaml(config_lib.BASE_CONFIG_PATH)
+    _check_field_numbers(self.hf_path, self.hf_config)
+    _check_positive(self.hf_path, self.hf_config)
     try:
       hf_keys = engine.hf_model_keys(family, self.hf_config)
     except KeyError as e:  # a key the family's config always has, left out (a hand-written or cut config.json)
@@ -122,6 +125,65 @@ def _check_numbers(hf_path: str, hf_config: Mapping[str, Any], hf_keys: Mapping[
       field = next((f for f, v in fields if v == value), key)
       raise ConfigError(f"{hf_path}/config.json: {field} is the text {value[:40]!r} where a number belongs; write it "
                         "without quotes")
+
+
+# Fields that are text by design (labels, versions, names, paths): a number-like value there is no number.
+_TEXT_FIELDS = ("id2label", "label2id", "quantization_config")
+_TEXT_SUFFIXES = ("_version", "name", "_path", "_type", "_types", "_act", "dtype")
+
+
+def _fields(values: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+  """(dotted field name, value) of every leaf of config.json, nested objects and lists included."""
+  items = values.items() if isinstance(values, Mapping) else ((str(i), v) for i, v in enumerate(values))
+  for field, value in items:
+    field = str(field)
+    if field.startswith("_") or field in _TEXT_FIELDS or field.endswith(_TEXT_SUFFIXES):
+      continue
+    name = f"{prefix}[{field}]" if isinstance(values, list) else prefix + field
+    if isinstance(value, (Mapping, list)):
+      yield from _fields(value, name + ("" if isinstance(value, list) else "."))
+    else:
+      yield name, value
+
+
+def _is_number_text(value: str) -> bool:
+  try:
+    float(value)  # what transformers' own float()/int() casts, where it makes them, would take
+  except ValueError:
+    return False
+  return True
+
+
+def _check_field_numbers(hf_path: str, hf_config: Mapping[str, Any]) -> None:
+  """Numbers written as text ("10000", " 32 ", "1_000", "nan") or non-finite (JSON's NaN, Infinity as Python writes
+  them): float() reads them all, so the converter would build a model transformers refuses or runs as NaN."""
+  for name, value in _fields(hf_config):
+    if isinstance(value, str) and _is_number_text(value):
+      raise ConfigError(f"{hf_path}/config.json: {name} is the text {value[:40]!r} where a number belongs; write it "
+                        "without quotes")
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{hf_path}/config.json: {name} is {value}, not a finite number; use the checkpoint's own "
+                        "config.json")
+
+
+# config.json fields no model has at zero or below (norm epsilons, RoPE bases, widths, counts), in every family's
+# spelling; num_key_value_heads has its own check (null is allowed there).
+_POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", "rope_theta",
+                    "rope_local_base_freq", "num_attention_heads", "n_head", "hidden_size", "n_embd",
+                    "num_hidden_layers", "n_layer", "head_dim", "vocab_size")
+
+
+def _check_positive(hf_path: str, hf_config: Mapping[str, Any]) -> None:
+  """A zero or negative norm epsilon, RoPE base, width or count, or true/false for one (float() reads true as 1):
+  refused naming the field (was: converted, or named only by our model key)."""
+  for field, value in _fields(hf_config):
+    if field.rsplit(".", 1)[-1] not in _POSITIVE_FIELDS or value is None:
+      continue
+    if isinstance(value, bool):
+      raise ConfigError(f"{hf_path}/config.json: {field} is {str(value).lower()} where a number belongs")
+    if isinstance(value, (int, float)) and value <= 0:
+      raise ConfigError(f"{hf_path}/config.json: {field} is {value}, which must be positive; use the checkpoint's "
+                        "own config.json")
 
 
 def _missing_field(hf_config: Mapping[str, Any], error: KeyError) -> str:

@@ -160,6 +160,12 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     if tensor_map.ours and array.dtype.kind in "biu":  # (ml_dtypes' bfloat16 is kind "V")
       raise ConfigError(f"HF tensor {name} has dtype {array.dtype}, not floating point: the checkpoint is quantised "
                         "(or damaged); dequantise it to bfloat16 or float32 first")
+    if tensor_map.ours and array.dtype.kind == "c":  # numpy's cast would drop the imaginary part
+      raise ConfigError(f"HF tensor {name} has dtype {array.dtype}, not real floating point: the checkpoint is damaged "
+                        "or not a model's weights")
+    if tensor_map.ours and not _all_finite(array):  # converted, every tool that loads it refuses it as diverged
+      raise ConfigError(f"HF tensor {name} holds NaN or infinite values: the checkpoint was saved from a diverged run "
+                        "or is damaged; use a checkpoint whose weights are finite")
     prefix, index = _layer_key(cfg, layer, tensor_map.stack)
     index = index + ((expert,) if expert is not None else ())
     try:
@@ -186,6 +192,15 @@ def stage_hf_tensors(tensors: Iterable[tuple[str, np.ndarray]], family: families
     raise ConfigError(f"the HF checkpoint does not fill {len(missing)} of our parameters, e.g. "
                       f"{', '.join(missing[:3])}; some shards may be missing")
   return largest
+
+
+def _all_finite(array: np.ndarray) -> bool:
+  """Whether every value is finite, a block at a time (a whole-tensor mask would add to the peak memory)."""
+  flat = array.reshape(-1)
+  return all(bool(np.isfinite(flat[start:start + _FINITE_BLOCK]).all()) for start in range(0, flat.size, _FINITE_BLOCK))
+
+
+_FINITE_BLOCK = 2**24
 
 
 def _values_digest(array: np.ndarray) -> bytes:

@@ -111,6 +111,18 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 
 
 def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
+  """Every tensor of the files transformers loads; one line naming both files for a name two of them hold (which
+  copy transformers keeps depends on its load order)."""
+  seen: dict[str, str] = {}
+  for name, path, array in _file_tensors(hf_path):
+    if name in seen:
+      raise UserError(f"HF tensor {name} is in both {seen[name]} and {path}; remove the stale copy (or download the "
+                      "checkpoint again)")
+    seen[name] = path
+    yield name, array
+
+
+def _file_tensors(hf_path: str) -> Iterator[tuple[str, str, np.ndarray]]:
   for path in checkpoint_files(hf_path):
     if not path.endswith(".safetensors"):
       try:
@@ -120,7 +132,7 @@ def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
                         "(pip install torch), or convert it to safetensors first") from None
     with storage.local_copy(path) as local:  # a download of one shard when remote, removed after
       if path.endswith(".safetensors"):
-        yield from _safetensors_tensors(path, local)
+        yield from ((name, path, array) for name, array in _safetensors_tensors(path, local))
         continue
       # mmap keeps the shard on disk; each tensor is copied out only when it is converted.
       try:
@@ -129,7 +141,7 @@ def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
         raise UserError(f"cannot read {path}: {type(e).__name__}: {' '.join(str(e).split())[:200]}; the file is "
                         "damaged, incomplete or not a torch checkpoint (download it again)") from None
       for name in list(state):
-        yield name, _torch_to_numpy(state.pop(name))
+        yield name, path, _torch_to_numpy(state.pop(name))
       del state
 
 

@@ -33,7 +33,8 @@ from MaxText import models
 from MaxText.paths import storage
 from MaxText.convert import cli, engine, hf_io, streaming
 from MaxText.families import mxfp4
-from MaxText.errors import UserError, run_cli
+from MaxText.input_pipeline import tokenizer
+from MaxText.errors import ConfigError, UserError, run_cli
 
 PROG = "hf_to_maxtext"
 TOOL = startup.Tool(PROG, reads_run=True, hardware="cpu", reads_data=False)  # conversion is host work
@@ -51,6 +52,7 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
                          check_paths=output_is_new, model_keys=hf_keys).config
   hf_config, model_keys = hf_keys.hf_config, hf_keys.model_keys
   cfg = config.model
+  _check_tokenizer(hf_path, cfg.vocab_size)
   family = families.family_for_hf_config(hf_config)
   spec = models.build_model_spec(cfg)
   # Staging beside a local output keeps it on the disk the user chose for the checkpoint.
@@ -75,6 +77,22 @@ def convert(hf_path: str, output_path: str, user_args: list[str]) -> dict[str, f
         f"{'scanned' if cfg.scan_layers else 'unrolled'}, {cfg.weight_dtype}) and {storage.name(saved)}; "
         f"largest HF tensor {largest / 2**20:.1f} MiB, peak resident memory {peak_mib:.0f} MiB (includes the runtime and mapped pages)")
   return {"largest_tensor_bytes": largest, "peak_rss_mib": peak_mib}
+
+
+def _check_tokenizer(hf_path: str, vocab_size: int) -> None:
+  """A tokenizer.json beside the weights with ids past vocab_size: those ids have no embedding row (transformers
+  fails on them; a gather here gives NaN rows). Only a warning: the weights convert, and decode, serving and
+  training refuse that tokenizer when it is given to them."""
+  file = storage.join(hf_path, "tokenizer.json")
+  if not storage.is_file(file):
+    return
+  try:
+    ids = tokenizer.hf_vocab_size(tokenizer.read_hf_tokenizer(file, hf_path))
+  except ConfigError:  # a damaged tokenizer is its readers' to refuse; the converter does not convert it
+    return
+  if ids > vocab_size:
+    print(f"{PROG}: warning: {file} has ids up to {ids - 1} but config.json's vocab_size is {vocab_size}: those "
+          "tokens have no embedding row; use the checkpoint's own tokenizer")
 
 
 def main(argv: list[str]) -> int:

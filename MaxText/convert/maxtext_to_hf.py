@@ -58,8 +58,15 @@ def _open_checkpoint(checkpoint: str, config: config_lib.Config) -> tuple[_Check
   wrong = [f"{'/'.join(p)} {reader.shapes.get(p, 'missing')} vs {a.shape}" for p, a in expected.items()
            if reader.shapes.get(p) != tuple(a.shape)]
   if wrong:
+    reader.close()
     raise UserError(f"{checkpoint} ({kind} checkpoint) does not match the model config in {len(wrong)} "
                     f"parameter(s), e.g. {'; '.join(wrong[:3])}; pass the model keys the checkpoint was written with")
+  # A trained parameter the keys leave out (a further unrolled layer, the untied output layer) would be dropped.
+  extra = sorted("/".join(p) for p in reader.shapes if p not in expected)
+  if extra:
+    reader.close()
+    raise UserError(f"{checkpoint} ({kind} checkpoint) holds {len(extra)} parameter(s) the model config does not "
+                    f"have, e.g. {', '.join(extra[:3])}; pass the model keys the checkpoint was written with")
   return _CheckedReader(reader, checkpoint, kind), cfg
 
 
@@ -103,6 +110,8 @@ def _hf_config(config: config_lib.Config, family: families.Family) -> dict[str, 
 
 def export(checkpoint: str, output_path: str, user_args: list[str], max_shard_mb: int = 5000) -> list[str]:
   def output_is_empty() -> None:
+    if storage.is_file(output_path):
+      raise UserError(f"{output_path} is a file; output_path is the directory to write the model to")
     if storage.exists(output_path) and (not storage.is_dir(output_path) or storage.listdir(output_path)):
       raise UserError(f"{output_path} exists and is not empty; choose a new output_path")
 

@@ -234,7 +234,6 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
   maps = family.tensors(cfg)
   leaves: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
   example = ""  # a name this model's adapters have: the naming scheme for the refusal of others
-  unfilled = []  # modules target_modules names that its tensors leave out
   for m in maps:
     if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
       continue
@@ -248,10 +247,6 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
       if not example and dense is not None and "lora_a" in dense:
         example = a_name
       if a_name not in tensors:
-        # Named targets only: a regex or "all-linear" reaches modules nobody meant, which PEFT starts at B = 0.
-        if isinstance(config.get("target_modules"), list) and (layer is None or layer < cfg.num_decoder_layers) \
-            and _selects(config, name):
-          unfilled.append(name)
         continue
       unused -= {a_name, b_name}
       if dense is None or "lora_a" not in dense or b_name not in tensors:
@@ -286,16 +281,41 @@ def load(path: str, cfg: ModelConfig, abstract_params: dict[str, Any]) -> PeftAd
     named = f", where this model's are named like {example}" if example else ""
     raise UserError(f"{path}: {len(unused)} tensors name no projection of this model, e.g. {sorted(unused)[0]}{named} "
                     "(an adapter of another model family or depth, or saved from another model class?)")
-  if unfilled:  # PEFT would start them from their initialisation (a random one with init_lora_weights=false)
-    listed = str(config.get("target_modules"))[:80]
-    raise UserError(f"{path}: {CONFIG_FILE} selects {unfilled[0]} (target_modules={listed}) but {WEIGHTS_FILE} "
-                    f"holds no adapter for it ({len(unfilled)} such module(s)): an incomplete {WEIGHTS_FILE}? save "
-                    "the adapter again, or take the module out of target_modules")
+  _refuse_unfilled(path, config, cfg, set(tensors))
   if not leaves:
     raise UserError(f"{path} holds no LoRA tensors")
   targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
   rank = max(a.shape[-1] for a, _ in leaves.values())  # the tables' rank it needs: its largest module's
   return PeftAdapter(rank, alpha, targets, leaves, use_rslora, leaf_scales)
+
+
+def _refuse_unfilled(path: str, config: dict[str, Any], cfg: ModelConfig, stored: set[str]) -> None:
+  """UserError when target_modules names (a list: a regex or "all-linear" reaches modules nobody meant) a module
+  of this model that the stored tensors leave out: PEFT would start it from its initialisation (a random one with
+  init_lora_weights=false)."""
+  if not isinstance(config.get("target_modules"), list):
+    return
+  maps = families.family_for_decoder_block(cfg.decoder_block).tensors(cfg)
+  unfilled = []
+  for m in maps:
+    if len(m.ours) != 1 or not m.ours[0].endswith("/kernel") or m.per_expert:
+      continue
+    for layer in (range(_hf_layers(cfg, maps)) if m.per_layer else [None]):
+      name = m.hf.format(i=layer).removesuffix(".weight")
+      if engine._applies(cfg, m, layer) and f"base_model.model.{name}.lora_A.weight" not in stored \
+          and (layer is None or layer < cfg.num_decoder_layers) and _selects(config, name):
+        unfilled.append(name)
+  if unfilled:
+    listed = str(config.get("target_modules"))[:80]
+    raise UserError(f"{path}: {CONFIG_FILE} selects {unfilled[0]} (target_modules={listed}) but {WEIGHTS_FILE} "
+                    f"holds no adapter for it ({len(unfilled)} such module(s)): an incomplete {WEIGHTS_FILE}? save "
+                    "the adapter again, or take the module out of target_modules")
+
+
+def check_targets(path: str, cfg: ModelConfig) -> None:
+  """The target_modules check of `load` from the adapter's files and the model keys alone: a server runs it before
+  the base model's weights load."""
+  _refuse_unfilled(path, _read_json(path), cfg, set(_stored_shapes(path)))
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:

@@ -94,8 +94,15 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   elif rope_type == "linear":
     keys.update(rope_type="linear", rope_scaling_factor=float(params["factor"]))
   elif rope_type == "yarn":
-    original = params.get("original_max_position_embeddings") or hf["max_position_embeddings"]
-    factor = float(params.get("factor") or hf["max_position_embeddings"] / original)
+    # Unset (null) only takes the default: transformers computes with a 0 (an inf or NaN model).
+    original = params.get("original_max_position_embeddings")
+    original = hf["max_position_embeddings"] if original is None else original
+    if not original > 0:
+      raise ConfigError(f"HF config {field} original_max_position_embeddings={original} is not a positive length")
+    factor = params.get("factor")
+    if factor is not None and not float(factor) >= 1:
+      raise ConfigError(f"HF config {field} factor={factor} is not a YaRN scaling factor (>= 1)")
+    factor = float(hf["max_position_embeddings"] / original if factor is None else factor)
     attention_factor = params.get("attention_factor")
     # transformers' YaRN takes mscale / mscale_all_dim only as this ratio, and only when both are set
     # (DeepSeek's softmax correction from mscale_all_dim is its own, families/deepseek.py).
@@ -208,6 +215,8 @@ def mistral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_MISTRAL_DEFAULTS, **hf}
   r.require_hf(hf, "hidden_act", ("silu",), "silu")
   window = hf.get("sliding_window")
+  if window is not None and not window > 0:  # transformers masks every key under a window of 0
+    raise ConfigError(f"HF config sliding_window={window} is not a window (a positive length, or null for none)")
   keys = {"decoder_block": "mistral", **shape_keys(hf), **rope_keys(hf), "mlp_activations": ["silu", "linear"],
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
           "attention_layer_pattern": ["local"] if window else ["global"]}

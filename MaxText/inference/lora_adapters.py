@@ -372,6 +372,7 @@ def load_engine(config: Config, num_slots: int, fresh_note: str, base_name: str,
                     f"(it can: {list(table_targets(config))})")
   for (name, adapter_path), (claimed, _) in zip(named, peeks):  # before tables of that rank are allocated
     check_stored_rank(name, adapter_path, claimed)
+    peft_adapters.check_targets(adapter_path, config.model)
     if claimed > rank:  # Registry.add would refuse it only after the engine and the weights load
       raise UserError(f"LoRA adapter {name!r} ({adapter_path}) has rank {claimed}, more than serve_lora_max_rank="
                       f"{rank}; set serve_lora_max_rank >= {claimed} (or 0: the largest start-up adapter's)")
