@@ -426,6 +426,7 @@ def parse_chat(body: Any, limits: Limits, codec: Codec) -> Request:
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 
 def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | None,
@@ -439,6 +440,15 @@ def _grammar(body: dict[str, Any], codec: Codec, forced: list[dict[str, Any]] | 
   if kind not in RESPONSE_FORMATS:
     raise ApiError(400, f"response_format type {kind[:100]!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
                    "response_format")
+  # A key the server does not read is refused, not ignored: `{"type": "json_object", "schema": ...}` (another
+  # vendor's spelling) had constrained the reply to any object, not to the schema.
+  spec = fmt.get("json_schema") if fmt is not None and kind == "json_schema" else None
+  keys = ("type", kind) if kind in ("json_schema", "regex", "grammar") else ("type",)
+  for prefix, given, known in (("", fmt, keys), ("json_schema.", spec, _JSON_SCHEMA_KEYS)):
+    extra = [k for k, v in given.items() if k not in known and v is not None] if isinstance(given, dict) else []
+    if extra:
+      raise ApiError(400, f"response_format.{prefix}{str(extra[0])[:60]} is not read by response_format {kind}; "
+                     f"send {', '.join(known)} only", "response_format", "unsupported_parameter")
   if kind == "text" and forced is None:
     return None
   if kind != "text" and forced is not None:
@@ -717,8 +727,10 @@ class TokenTexts:
   `finish` the last pending token takes what is left (a character never completed reads U+FFFD, as the text does).
   `context`: the tokens before (a completion's: the prompt's last, as ChoiceText decodes)."""
 
-  def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()):
+  def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = (),
+               alone: Callable[[int], str] | None = None):
     self.decode = decode
+    self.alone = alone  # one token decoded by itself, cached (the server's): the settled run is most often one token
     self.ids = list(context)
     self.start = len(self.ids)  # where the tokens' own ids begin
     # ids[prefix:read]: the last settled token (at first the context's last), which each new one is decoded after
@@ -742,7 +754,9 @@ class TokenTexts:
     return self._settle(after[len(before):])
 
   def _texts(self) -> tuple[str, str]:
-    return self.decode(self.ids[self._prefix:self._read]), self.decode(self.ids[self._prefix:])
+    settled = (self.alone(self.ids[self._prefix]) if self.alone is not None and self._read - self._prefix == 1
+               else self.decode(self.ids[self._prefix:self._read]))
+    return settled, self.decode(self.ids[self._prefix:])
 
   def _settle(self, text: str) -> list[str]:
     pending = len(self.ids) - self._read

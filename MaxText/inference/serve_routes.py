@@ -90,7 +90,7 @@ def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
 
 
 def _texts(server: "Server", context: Sequence[int]) -> api.TokenTexts:
-  return api.TokenTexts(server.codec.decode, context)
+  return api.TokenTexts(server.codec.decode, context, server.token_text)
 
 
 def _alternative(server: "Server", texts: api.TokenTexts, first: int) -> Callable[[int, int], str]:

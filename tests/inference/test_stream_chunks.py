@@ -378,3 +378,30 @@ def test_an_event_is_json_whatever_its_text_and_an_infinite_logprob_reads_as_the
                                 lambda i, token: chr(96 + token))
   assert out["token_logprobs"] == [-9999.0, -0.5] and out["top_logprobs"] == [{"a": -9999.0}, {"c": -0.1, "b": -0.5}]
   json.loads(serve_app.sse(out)[6:], parse_constant=lambda name: pytest.fail(f"{name} in an event"))
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_logprob_token_texts_read_a_one_token_run_from_the_servers_cache(kind: str):
+  """Each token's logprobs text is decoded after the run settled before it; a run of one token (most) is read from
+  the server's cache of single-token texts: one decode per token, not two, and the same texts."""
+  tokenizer = _tokenizers()[kind]
+  decoded = [0]
+
+  def decode(ids: list[int]) -> str:
+    decoded[0] += 1
+    return tokenizer.decode(ids)  # type: ignore[attr-defined]
+
+  cache: dict[int, str] = {}
+  rng = np.random.default_rng(2)
+  text_ids = tokenizer.encode("to be or not to be, that is the question; the lazy dog " * 3).ids  # type: ignore[attr-defined]
+  for trial in range(31):
+    ids = text_ids[:40] if trial == 30 else [int(i) for i in rng.integers(1, tokenizer.get_vocab_size(), 40)]  # type: ignore[attr-defined]
+    decoded[0] = 0
+    plain = api.TokenTexts(decode, ids[:1])
+    expected = [t for at in range(1, 40, 5) for t in plain.add(ids[at:at + 5])] + plain.finish()
+    before, decoded[0] = decoded[0], 0
+    cached = api.TokenTexts(decode, ids[:1], lambda t: cache.setdefault(t, tokenizer.decode([t])))  # type: ignore[attr-defined]
+    got = [t for at in range(1, 40, 5) for t in cached.add(ids[at:at + 5])] + cached.finish()
+    assert got == expected and decoded[0] < before, (ids, before, decoded[0])
+    if trial == 30:  # a text's tokens: each its own settled run
+      assert decoded[0] <= len(ids) and before >= 2 * (len(ids) - 1), (before, decoded[0])
