@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # `python3 MaxText/decode.py`: import the package
 import jax
 import numpy as np
 
-from MaxText.configuration import config as config_lib
+from MaxText.configuration import config as config_lib, config_yaml
 from MaxText.errors import UserError, run_cli
 from MaxText.inference import image_chat, image_prompts, speculative_engine
 from MaxText.inference.engine import load_engine
@@ -74,7 +74,7 @@ def prompt_text(config: config_lib.Config) -> str:
 
 
 def image_paths(config: config_lib.Config) -> list[str]:
-  return [path.strip() for path in config.decode.image_path.split(",") if path.strip()]
+  return config_yaml.split_items("image_path", config.decode.image_path)
 
 
 def prompt_with_images(config: config_lib.Config) -> tuple[list[int], Tokenizer | None, PromptImages | None]:

@@ -40,7 +40,7 @@ import numpy as np
 from MaxText import families, startup
 from MaxText.training import model_assembly
 from MaxText.platform import sharding
-from MaxText.configuration import tool_args
+from MaxText.configuration import config_yaml, tool_args
 from MaxText.configuration.config import Config
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.families.image_format import ImageFormat
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
                     f"({table} positions, max_position_embeddings): use sequence_length={table} or less")
   rng = np.random.default_rng(checker.seed)
   token_ids = rng.integers(0, config.model.vocab_size, size=(checker.batch_size, checker.sequence_length))
-  paths = [path.strip() for path in config.decode.image_path.split(",") if path.strip()]
+  paths = config_yaml.split_items("image_path", config.decode.image_path)
   vision = config.model.vision
   if paths and not vision.use_multimodal:
     raise UserError(f"image_path= given, but {config.model.decoder_block} here is a text-only model (use_multimodal=False)")

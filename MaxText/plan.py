@@ -50,7 +50,8 @@ from MaxText.aot.step_time.saved import StepTarget
 from MaxText.training import compiled_step, lora
 from MaxText.training.objectives import distill
 from MaxText.platform import accelerators, tpu_launch
-from MaxText.configuration import config as config_lib, objective_registry, remat_policies, rl_config, tool_args
+from MaxText.configuration import config as config_lib, config_yaml, objective_registry, remat_policies
+from MaxText.configuration import rl_config, tool_args
 from MaxText.errors import ConfigError, UserError, run_cli
 from MaxText.aot.memory_report import GIB
 from MaxText.platform.mesh_axes import MeshAxis
@@ -85,7 +86,7 @@ class PlanArgs:
     if text in ("", "none"):
       return []
     try:
-      sizes = [int(t) for t in text.split(",") if t.strip()]
+      sizes = [int(t) for t in config_yaml.split_items("attention_blocks", text)]
     except ValueError:
       sizes = []
     if not sizes or any(size <= 0 or size % 128 for size in sizes):

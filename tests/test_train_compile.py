@@ -72,8 +72,8 @@ def test_topology_table_hardware_facts_and_names():
   names = accelerators.known_topology_names()
   for expected in ("v4-8", "v4-4096", "v5e-1", "v5e-256", "v5p-8", "v5p-12288", "v6e-1", "v6e-256"):
     assert expected in names
-  with pytest.raises(ConfigError, match=r"unknown compile_topology 'v5e-512'; valid names: v4-8, .*v5e-256.*v5p-12288"):
-    accelerators.tpu_topology("v5e-512")
+  with pytest.raises(ConfigError, match=r"unknown compile_topology 'v5e-520'; valid names: v4-8, .*v5e-256.*v5p-12288"):
+    accelerators.tpu_topology("v5e-520")
 
 
 def test_unknown_or_missing_topology_is_a_one_line_error():
@@ -103,6 +103,9 @@ def test_a_topology_name_is_read_as_its_one_spelling(typed, named):
   assert accelerators.tpu_topology(typed).name == named
 
 
+_WRITTEN = " (did you mean '{}'? a slice type is written <generation>-<size>)"
+
+
 @pytest.mark.parametrize("typed, hint", [
     ("v7x-8", " (did you mean 'tpu7x-8'? Cloud TPU names this generation tpu7x)"),
     ("v5litepod-16", " (did you mean 'v5e-16'? Cloud TPU names this generation v5e)"),
@@ -111,7 +114,16 @@ def test_a_topology_name_is_read_as_its_one_spelling(typed, named):
     ("tpu7x-4x4x4", " (did you mean 'tpu7x-128'? a slice type is named by its count of TensorCores, not its 4x4x4 "
                     "shape)"),
     ("v6e:2x4", " (did you mean 'v6e-8'? a slice type is named by its count of chips, not its 2x4 shape)"),
+    ("v6e_8", _WRITTEN.format("v6e-8")), ("tpu-v6e-8", _WRITTEN.format("v6e-8")), ("v6e8", _WRITTEN.format("v6e-8")),
+    ("TPU_V6E_8", _WRITTEN.format("v6e-8")), ("v6e 8", _WRITTEN.format("v6e-8")), ("tpu7x_8", _WRITTEN.format("tpu7x-8")),
+    ("v5litepod_16", " (did you mean 'v5e-16'? Cloud TPU names this generation v5e)"),
+    ("v6e-512", " (v6e's largest slice is v6e-256: for 512 chips give compile_topology=v6e-256 "
+                "compile_topology_num_slices=2)"),
+    ("v5p-24576", " (v5p's largest slice is v5p-12288: for 24576 TensorCores give compile_topology=v5p-12288 "
+                  "compile_topology_num_slices=2)"),
     ("v6e-7", ""), ("v6e-0", ""), ("v6e--8", ""), ("tpu7x-3", ""), ("v6e-" + "9" * 30, ""),
+    ("v6e-768", " (v6e's largest slice is v6e-256: for 768 chips give compile_topology=v6e-256 "
+                "compile_topology_num_slices=3)"),
     ("v6e-\u00b2", ""),  # a superscript two: str.isdigit() passes it, int() raised a ValueError traceback
 ])
 def test_a_wrong_topology_name_is_one_line_naming_what_was_meant(typed, hint):
@@ -670,3 +682,12 @@ def test_estimated_cycles_counts_a_conditional_as_its_costliest_branch():
   ])
   assert hlo_cycles.estimated_cycles(hlo) == 90 + 50
   assert hlo_cycles.estimated_cycles("ENTRY %main () -> f32[] {\n  %a = f32[] add(%x, %y)\n}") is None
+
+
+def test_a_topology_name_of_thousands_of_digits_is_one_line():
+  """Python refuses to read an integer past 4300 digits: a guess at `v6e_999...` must not try."""
+  for typed in ("v6e_" + "9" * 5000, "v6e-" + "256" * 2000):
+    with pytest.raises(ConfigError, match=r"^unknown compile_topology .*; valid names: v4-8, "):
+      accelerators.tpu_topology(typed)
+  with pytest.raises(ConfigError, match=r"^unknown compile_topology 'v6e:2x9999"):
+    accelerators.tpu_topology("v6e:2x" + "9" * 5000)

@@ -65,6 +65,7 @@ DERIVED_KEYS = {
 }
 
 _KEY_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):.*?\s#\s?(.*)$")
+_MESH_DEGREE = re.compile(r"(ici|dcn)_[a-z_]+_parallelism")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -144,15 +145,17 @@ def coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(value, (list, tuple)):
       return list(value)
     if isinstance(value, str):
-      return [item.strip() for item in value.split(",") if item.strip()]
+      return config_yaml.split_items(key, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return [value]  # `prompt_token_ids=5`: YAML read the one-item list as a number
   # A recipe's `query_proj: off` or `run_name: yes` reaches here as False or True (YAML 1.1's booleans): the
   # line says so, else "got False" names a value the user never typed.
   yaml_bool = (" (YAML reads an unquoted true/false, yes/no or on/off as a boolean: quote it to mean the word)"
                if isinstance(value, bool) and isinstance(default, str) else "")
+  # `auto` is what other tools call the degree that takes the rest
+  rest = "; -1 gives this axis what the other degrees leave" if _MESH_DEGREE.fullmatch(key) else ""
   raise ConfigError(
-      f"{key} must be a {_type_name(default)} like its default {default!r}, got {_shown(value)}{yaml_bool}"
+      f"{key} must be a {_type_name(default)} like its default {default!r}, got {_shown(value)}{yaml_bool}{rest}"
   )
 
 

@@ -24,7 +24,7 @@ from MaxText.errors import ConfigError
 from MaxText.platform.mesh_axes import HYBRID_RING_SLICE, HYBRID_RINGS, MESH_AXES, Group, MeshAxis
 from MaxText.configuration.data_config import DataConfig
 from MaxText.configuration.distill_config import DistillConfig
-from MaxText.configuration import batch_split, elastic_config
+from MaxText.configuration import batch_split, config_yaml, elastic_config
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration import rl_config
 from MaxText.configuration.rl_config import RLConfig
@@ -148,8 +148,9 @@ class MeshConfig:
         _require(axis in MESH_AXES, f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis "
                  f"{axis!r}; mesh axes are {', '.join(MESH_AXES)}")
       rules.append((rule[0], mesh_axes))
-    for axis in v["data_sharding"]:
-      _require(axis in MESH_AXES, f"data_sharding names unknown mesh axis {axis!r}")
+    for i, axis in enumerate(v["data_sharding"]):
+      _require(axis in MESH_AXES, f"data_sharding names unknown mesh axis {axis!r}; mesh axes are {', '.join(MESH_AXES)}")
+      _require(axis not in v["data_sharding"][:i], f"data_sharding names mesh axis {axis!r} twice; name each axis once")
     _require(0.0 <= v["sharding_tolerance"] <= 1.0,
              f"sharding_tolerance must be in [0, 1], got {v['sharding_tolerance']}")
     _check_custom_mesh(v, resolved, target.num_devices // num_slices)
@@ -386,7 +387,7 @@ class RunConfig:
 def _metric_trackers(v: Mapping[str, Any]) -> tuple[str, ...]:
   names = v["metric_trackers"]
   if isinstance(names, str):  # metric_trackers=wandb,vertex_tensorboard on the command line
-    names = [n.strip() for n in names.split(",") if n.strip()]
+    names = config_yaml.split_items("metric_trackers", names)
   _require(isinstance(names, (list, tuple)) and all(n in METRIC_TRACKERS for n in names),
            f"metric_trackers must be a list of {', '.join(METRIC_TRACKERS)}; got {names!r}")
   _require(len(set(names)) == len(names), f"metric_trackers names a tracker twice: {list(names)}")
@@ -588,13 +589,12 @@ class DecodeConfig:
              f"decode_sampling_top_p must be in (0, 1], got {v['decode_sampling_top_p']}")
     _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
              f"decode_sampling_top_k must be between 1 and vocab_size={v['vocab_size']}, got {v['decode_sampling_top_k']}")
-    try:
-      ids = tuple(int(str(t)) for t in v["prompt_token_ids"])
-    except ValueError:
-      raise ConfigError(f"prompt_token_ids must be comma-separated integers like 5,17,42, "
-                        f"got {list(v['prompt_token_ids'])}") from None
-    _require(all(0 <= t < v["vocab_size"] for t in ids),
-             f"prompt_token_ids must lie in [0, vocab_size={v['vocab_size']}), got {list(ids)}")
+    ids = config_yaml.whole_numbers("prompt_token_ids", v["prompt_token_ids"], "5,17,42")
+    config_yaml.split_items("image_path", v["image_path"])  # its empty item refused before a model loads
+    outside = next((i for i, t in enumerate(ids) if not 0 <= t < v["vocab_size"]), None)
+    if outside is not None:  # the first one, not the whole list
+      raise ConfigError(f"prompt_token_ids must lie in [0, vocab_size={v['vocab_size']}); item {outside + 1} is "
+                        f"{ids[outside]}")
     _require(len(ids) <= prefill, f"prompt_token_ids has {len(ids)} tokens, more than max_prefill_predict_length="
              f"{prefill}; raise max_prefill_predict_length or shorten the prompt")
     _require(bool(str(v["host"]).strip()), "host must name an address to bind, e.g. 127.0.0.1")

@@ -1,6 +1,7 @@
 """The config's YAML files, read with libyaml's parser (PyYAML's pure-Python one where PyYAML lacks it) and YAML 1.1's
 surprises taken out: a key set twice, octal, base 60, dates and `=` are refused or stay text, a text key keeps a
-number as typed, and each problem is one line naming the file and the line."""
+number as typed, and each problem is one line naming the file and the line. Also the one rule for a list typed as
+comma-separated text (`split_items`): the list keys', the path lists' and the tools' list arguments."""
 
 from __future__ import annotations
 
@@ -100,6 +101,53 @@ def shown(value: object) -> str:
     return "an empty value (None)"
   text = reprlib.repr(value) if size_problem(value) else repr(value)
   return text if len(text) <= 200 else f"{text[:60]}... ({len(text)} characters)"
+
+
+# Commas other scripts' keyboards type (fullwidth, ideographic, small): no list item means one.
+_OTHER_COMMAS = "\uff0c\u3001\ufe50\uff64"
+
+
+def split_items(key: str, text: str) -> list[str]:
+  """A list typed as comma-separated text (`5,17,42`), each item stripped; the one rule of every key and field
+  that takes one. As in YAML's `[5, 17,]`, one trailing comma is allowed; an empty item elsewhere (`1,,2`, `,1`)
+  is refused, not dropped, as is a bracketed list YAML could not read (`[1,,2]` was the items '[1' and '2]')."""
+  body = text.strip()
+  if body.count("[") != body.count("]"):
+    more_open = body.count("[") > body.count("]")
+    raise ConfigError(f"{key}={shown(body)} has a {'[' if more_open else ']'!r} without its "
+                      f"{']' if more_open else '['!r}; write [a, b] or a,b")
+  opened = body.startswith("[") and body.endswith("]")
+  items = [item.strip() for item in (body[1:-1] if opened else body).split(",")]
+  if items == [""]:
+    return []
+  if len(items) > 1 and not items[-1]:
+    items.pop()
+  for i, item in enumerate(items):
+    if not item:
+      raise ConfigError(f"{key} has an empty item at position {i + 1} of {shown(text.strip())} (two commas in a "
+                        "row, or one first); remove the extra comma")
+    other = next((c for c in item if c in _OTHER_COMMAS), "")
+    if other:
+      raise ConfigError(f"{key}'s item {shown(item)} holds {other!r} (U+{ord(other):04X}), not a comma that "
+                        "separates items; separate items with ','")
+    if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"":
+      raise ConfigError(f"{key}'s item {i + 1} is quoted ({shown(item)}); quote the whole list or none of it "
+                        "(a,b or \"a,b\")")
+  if opened:  # its items are fine, so YAML refused something else: a ':' or a '{' inside
+    raise ConfigError(f"{key}={shown(body)} is not a list YAML reads; write [a, b] or a,b")
+  return items
+
+
+def whole_numbers(key: str, items: Collection[Any], like: str) -> tuple[int, ...]:
+  """A list's items as integers; the first that is none is named, not the whole list echoed."""
+  numbers = []
+  for i, item in enumerate(items):
+    text = str(item)
+    if isinstance(item, bool) or not DECIMAL.fullmatch(text.strip()):
+      spaces = " (separate items with ',', not spaces)" if len(text.split()) > 1 else ""
+      raise ConfigError(f"{key} must be comma-separated integers like {like}; item {i + 1} is {shown(item)}{spaces}")
+    numbers.append(int(text))
+  return tuple(numbers)
 
 
 _HINTS = {"\t": "YAML indents with spaces, not tabs", "@": "quote a value that starts with @",

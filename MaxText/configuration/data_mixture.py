@@ -11,6 +11,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from MaxText.configuration.config_fields import require as _require
+from MaxText.configuration.config_yaml import split_items
 from MaxText.errors import ConfigError, UserError
 from MaxText.paths import storage
 
@@ -65,7 +66,7 @@ def _setting(name: str, key: str, value: object) -> object:
   a ConfigError: a list of files or a number would otherwise reach the readers."""
   if key == "train_data_columns":
     if isinstance(value, str):
-      value = [item.strip() for item in value.split(",") if item.strip()]
+      value = split_items(f"data_mixture source {name!r} {key}", value)
     if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
       return tuple(value)
   elif value is None:  # YAML's `grain_train_files:` with nothing after it: the key's "needs" line follows

@@ -4,11 +4,13 @@ registry when the run starts."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Mapping
 
 from MaxText.configuration.config_fields import key, read_keys
 from MaxText.configuration.config_fields import require as _require
+from MaxText.configuration.config_yaml import split_items
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,9 +26,11 @@ class TaskEvalConfig:
     values = read_keys(cls, v)
     tasks = values["eval_tasks"]
     if isinstance(tasks, str):  # eval_tasks=a,b on the command line
-      tasks = tuple(t.strip() for t in tasks.split(",") if t.strip())
+      tasks = tuple(split_items("eval_tasks", tasks))
     _require(isinstance(tasks, (list, tuple)) and all(isinstance(t, str) and t for t in tasks),
              f"eval_tasks must be a list of lm-eval task names, got {tasks!r}")
+    twice = [t for t, n in collections.Counter(tasks).items() if n > 1]
+    _require(not twice, f"eval_tasks names {''.join(twice[:1])} twice; name each task once")
     values["eval_tasks"] = tuple(tasks)
     interval = values["eval_tasks_interval"]
     _require(interval == -1 or interval > 0, f"eval_tasks_interval must be > 0 or -1 (eval_interval's), got {interval}")

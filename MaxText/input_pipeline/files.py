@@ -7,6 +7,7 @@ import json
 import os
 from typing import IO, cast
 
+from MaxText.configuration.config_yaml import split_items
 from MaxText.paths import storage
 from MaxText.errors import ConfigError
 
@@ -18,7 +19,7 @@ _LOCAL_ONLY_KEYS = ("grain_train_files", "grain_eval_files")
 def expand_files(key: str, value: str) -> list[str]:
   """Every file named by `value` (comma-separated paths or globs, local or gs://), sorted within
   each pattern; a pattern that matches no file is an error."""
-  patterns = [p.strip() for p in value.split(",") if p.strip()]
+  patterns = split_items(key, value)
   if not patterns:
     raise ConfigError(f"{key} is empty")
   files: list[str] = []

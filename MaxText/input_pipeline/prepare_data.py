@@ -35,6 +35,7 @@ if __package__ in (None, ""):
 from MaxText import startup
 from MaxText.paths import storage
 from MaxText.configuration import tool_args
+from MaxText.configuration.config_yaml import split_items
 from MaxText.input_pipeline import files as files_lib
 from MaxText.input_pipeline.files import expand_files, format_suffix, read_plain
 from MaxText.errors import UserError, run_cli
@@ -123,7 +124,7 @@ def _check_args(args: argparse.Namespace, sources: list[str]) -> list[str]:
   """The formats to write, after refusing what would write the wrong thing or write somewhere unexpected."""
   if not args.output_path.strip():  # an empty path would write into the current directory
     raise UserError("output_path is empty; name the folder to write, e.g. output_path=data")
-  formats = list(dict.fromkeys(f.strip() for f in args.formats.split(",") if f.strip()))
+  formats = list(dict.fromkeys(split_items("formats", args.formats)))
   if not formats:
     raise UserError(f"formats is empty; name one or more of {', '.join(FORMATS)}")
   unknown = sorted(set(formats) - set(FORMATS))

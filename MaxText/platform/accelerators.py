@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import importlib.metadata
 import os
+import re
 import shutil
 import time
 from typing import Sequence
@@ -334,10 +335,10 @@ def _near_name(gen_name: str, size_text: str) -> str:
       (g for g in TPU_GENERATIONS.values() if g.topology_prefix == gen_name), None)  # libtpu's "v5" is v5p
   if generation is None:
     return ""
-  if size_text.isascii() and size_text.isdigit() and int(size_text) in generation.sizes:
+  if _digits(size_text) and int(size_text) in generation.sizes:
     return f" (did you mean '{generation.name}-{int(size_text)}'? Cloud TPU names this generation {generation.name})"
   dims = size_text.split("x")
-  if len(dims) in (2, 3) and all(d.isascii() and d.isdigit() for d in dims):
+  if len(dims) in (2, 3) and all(_digits(d) for d in dims):
     wanted = sorted(int(d) for d in dims if int(d) != 1)  # 2x2x1 and 2x2 are the same chips
     for size in generation.sizes:
       if sorted(d for d in _slice_shape(generation, size // generation.cores_per_chip) if d != 1) == wanted:
@@ -346,14 +347,53 @@ def _near_name(gen_name: str, size_text: str) -> str:
   return ""
 
 
+def _digits(text: str) -> bool:
+  """A size int() reads: ASCII digits only (str.isdigit() also passes "²", which int() refuses) and no longer than a
+  slice count is (past 4300 digits int() refuses too): either was a traceback, not a line."""
+  return text.isascii() and text.isdigit() and len(text) <= 12
+
+
+def _other_separator(text: str) -> str:
+  """` (did you mean ...?)` for a valid name typed with another separator, none, or a `tpu` before it (`v6e_8`,
+  `v6e8`, `tpu-v6e-8`), or "". Two separators in a row (`v6e--8`) may be a sign, so no guess is made."""
+  if re.search(r"[-_ :]{2}", text):
+    return ""
+  squashed = re.sub(r"[-_ :]", "", text)
+  if squashed.startswith("tpuv"):
+    squashed = squashed[3:]
+  names = sorted([*TPU_GENERATIONS, *_OTHER_SPELLINGS], key=len, reverse=True)
+  for gen_name in names:
+    size_text = squashed[len(gen_name):]
+    if squashed.startswith(gen_name) and _digits(size_text):
+      generation = TPU_GENERATIONS[_OTHER_SPELLINGS.get(gen_name, gen_name)]
+      if int(size_text) not in generation.sizes:
+        return ""
+      why = (f"Cloud TPU names this generation {generation.name}" if gen_name in _OTHER_SPELLINGS else
+             "a slice type is written <generation>-<size>")
+      return f" (did you mean '{generation.name}-{int(size_text)}'? {why})"
+  return ""
+
+
+def _past_largest(generation: TpuGeneration | None, size_text: str) -> str:
+  """A size past the generation's largest slice that whole slices of it make: the multislice spelling."""
+  if generation is None or not _digits(size_text):
+    return ""
+  size, largest = int(size_text), generation.sizes[-1]
+  if size <= largest or size % largest:
+    return ""
+  unit = "TensorCores" if generation.cores_per_chip > 1 else "chips"
+  return (f" ({generation.name}'s largest slice is {generation.name}-{largest}: for {size} {unit} give "
+          f"compile_topology={generation.name}-{largest} compile_topology_num_slices={size // largest})")
+
+
 def tpu_topology(name: str) -> TpuTopology:
   """`v5e-256` -> its TpuTopology; an unknown name is a ConfigError listing the valid ones."""
   gen_name, _, size_text = name.strip().lower().replace(":", "-").partition("-")
   generation = TPU_GENERATIONS.get(gen_name)
-  # ASCII digits only: str.isdigit() also passes "²", which int() refuses (a traceback, not a line)
-  if generation is None or not (size_text.isascii() and size_text.isdigit()) or int(size_text) not in generation.sizes:
-    raise ConfigError(f"unknown compile_topology {name.strip()!r}{_near_name(gen_name, size_text)}; "
-                      f"valid names: {_abbreviated_names()}")
+  if generation is None or not _digits(size_text) or int(size_text) not in generation.sizes:
+    hint = (_near_name(gen_name, size_text) or _other_separator(name.strip().lower())
+            or _past_largest(generation, size_text))
+    raise ConfigError(f"unknown compile_topology {name.strip()!r}{hint}; valid names: {_abbreviated_names()}")
   size = int(size_text)  # "v6e-08" is v6e-8: the name the report and a saved step's header carry
   chips = size // generation.cores_per_chip
   return TpuTopology(name=f"{generation.name}-{size}", generation=generation, chips=chips,

@@ -49,8 +49,10 @@ def test_prepare_data_refuses_an_empty_output_path_and_empty_formats(tmp_path, m
   monkeypatch.chdir(tmp_path)
   assert _refusal(_prepare, f"data_files={source}", "output_path=", "formats=jsonl") == (
       "output_path is empty; name the folder to write, e.g. output_path=data")
-  assert _refusal(_prepare, f"data_files={source}", "output_path=out", "formats=,") == (
+  assert _refusal(_prepare, f"data_files={source}", "output_path=out", "formats=") == (
       "formats is empty; name one or more of jsonl, arrayrecord, tfds")
+  assert _refusal(_prepare, f"data_files={source}", "output_path=out", "formats=,") == (
+      "formats has an empty item at position 1 of ',' (two commas in a row, or one first); remove the extra comma")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
 
 
