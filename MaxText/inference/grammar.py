@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import llguidance
 import numpy as np
@@ -118,7 +118,7 @@ class Compiler:
     """`text` (an llguidance grammar) checked against the tokenizer; GrammarError says why it does not compile."""
     message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
     if message and not message.startswith("WARNING"):
-      raise GrammarError(" ".join(message.split())[:300])
+      raise GrammarError(_clearer(" ".join(message.split()))[:300])
     grammar = Grammar(text, self.tokenizer, self.vocab_size)
     start = grammar.constraint()
     start.mask()  # a grammar no text satisfies fails here, before any token
@@ -131,11 +131,19 @@ class Compiler:
       if start.advance(token):
         break
     if start.failure():
-      raise GrammarError(f"no text satisfies it ({' '.join(start.error.split('<state>')[0].split())[:200]})")
+      reason = " ".join(start.error.split("<state>")[0].split())[:200]
+      # A lexer's size limit is no proof that nothing matches (`(?:a{1000}){1000}` does): said as what it is, which
+      # also tells regex() and lark() that the grammar they pruned is not empty, only too large.
+      if any(limit in reason for limit in _SIZE_LIMITS):
+        raise GrammarError(f"it is too large for llguidance's limits ({reason})")
+      if "Too many items" in reason:  # instances that nest without end, or a forced run longer than the limit
+        raise GrammarError(f"no text satisfies it within llguidance's parser limit ({reason})")
+      raise GrammarError(f"no text satisfies it ({reason})")
     return grammar
 
   def json_schema(self, schema: dict[str, Any]) -> Grammar:
     _refuse_non_finite(schema, "the schema")
+    schema = _without_no_ops(schema)
     unspelled: list[str] = []
     pruned: Any = schema if self._speller is None else self._speller.prune(schema, unspelled)
     why = f" (no token of the tokenizer spells {', '.join(unspelled)[:200]})" if unspelled else ""
@@ -145,7 +153,7 @@ class Compiler:
       text = llguidance.LLMatcher.grammar_from_json_schema(pruned, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
       return self.compile(text)
     except ValueError as e:  # GrammarError among them
-      message = str(e)[:300]
+      message = _clearer(str(e))[:300]
       raise GrammarError(f"no text satisfies it: {message}{why}" if why and "no text satisfies" not in message
                          else message + why) from None
 
@@ -240,7 +248,11 @@ class Compiler:
     parameters."""
     for tool in tools:
       _refuse_non_finite(tool["function"].get("parameters"), f"the parameters of {tool['function']['name']!r}")
-    return self.lark(tool_call_lark(tools, fmt, parallel))
+    try:
+      return self.lark(tool_call_lark(tools, fmt, parallel))
+    except GrammarError as e:
+      too_large = str(e).startswith("it is too large")  # the tools together, not one of them
+      raise GrammarError((not too_large and _tool_culprit(tools, self.tokenizer)) or str(e)) from None
 
 
 # Schema keywords whose values are schemas (a map of them, a list of them, or one); "not" and "if" are left out: a
@@ -390,24 +402,95 @@ def _json(value: Any) -> str:
 
 def _refuse_non_finite(value: Any, what: str) -> None:
   """GrammarError for a NaN or an Infinity in a schema: Python's json reads them from a request body, but JSON has
-  no such number, and llguidance reads one as null (a `const` of NaN forced the reply `null`). Iterative: a schema
-  may nest as deep as the body parser allows."""
+  no such number, and llguidance reads one as null (a `const` of NaN forced the reply `null`); and for an integer
+  outside 64 bits, which llguidance cannot take at all (its error named neither the number nor where). Iterative: a
+  schema may nest as deep as the body parser allows."""
   stack: list[tuple[Any, str]] = [(value, "")]
   while stack:
     item, path = stack.pop()
     if isinstance(item, float) and not math.isfinite(item):
       raise GrammarError(f"{what}: {json.dumps(item)} at {path or '/'} is not a JSON number (JSON has no NaN or "
                          "Infinity)")
+    if isinstance(item, int) and not -2**63 <= item < 2**63:
+      raise GrammarError(f"{what}: {str(item)[:60]} at {path or '/'} is outside the 64-bit integers the grammar "
+                         "compiler reads")
     if isinstance(item, dict):
       stack.extend((v, f"{path}/{k}") for k, v in item.items())
     elif isinstance(item, list):
       stack.extend((v, f"{path}/{i}") for i, v in enumerate(item))
 
 
+# What llguidance's failed mask says when a grammar grew past its size limits: a lexer's (a regex's counted
+# repetitions), a parser row's (an anyOf of thousands of branches: a call forced among 2100 tools).
+_SIZE_LIMITS = ("too many expressions", "fuel exhausted", "Current row has")
+
+
+def _clearer(message: str, options: bool = True) -> str:
+  """llguidance's message, where it names an option of its own, said in terms of the request (`options`: whether the
+  schema's own "x-guidance" reaches llguidance: not from a tool's parameters, inside the call's schema)."""
+  if "coerce_one_of" in message:
+    return ("oneOf whose branches may overlap is not supported (an instance must match exactly one, which the grammar "
+            "cannot check): use anyOf" + (', or add "x-guidance": {"coerce_one_of": true} to the schema to read it as '
+                                          "anyOf" if options else ""))
+  return message
+
+
+def _tool_culprit(tools: list[dict[str, Any]], tokenizer: Any) -> str:
+  """What the first tool whose parameters llguidance refuses on their own is refused for, naming it ("" when each
+  compiles alone): the error of the whole call's grammar is at a line of a grammar the client never wrote."""
+  for tool in tools:
+    parameters = tool["function"].get("parameters")
+    if parameters is None:
+      continue
+    try:
+      text = llguidance.LLMatcher.grammar_from_json_schema(_without_no_ops(parameters),
+                                                           defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+      message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    except ValueError as e:
+      message = str(e)
+    if message and not message.startswith("WARNING"):
+      return f"the parameters of {tool['function']['name']!r}: {_clearer(' '.join(message.split()), False)}"[:300]
+  return ""
+
+
+def _without_no_ops(schema: Any) -> Any:
+  """`schema` less its `"uniqueItems": false`, which asks nothing of an instance and which llguidance refuses as an
+  unimplemented key (true is still refused, by name). A copy where there is one; keywords are read only where a
+  schema stands, so a property named uniqueItems is kept."""
+  if not any(node.get("uniqueItems") is False for node in _subschemas(schema)):
+    return schema
+  try:
+    copied = json.loads(json.dumps(schema))
+  except RecursionError:
+    raise GrammarError("the schema nests too deep to compile") from None
+  for node in _subschemas(copied):
+    if node.get("uniqueItems") is False:
+      del node["uniqueItems"]
+  return copied
+
+
+def _subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+  """Every schema object in `schema`, itself included (iterative: a schema may nest as deep as the body parser
+  allows)."""
+  stack = [schema]
+  while stack:
+    node = stack.pop()
+    if not isinstance(node, dict):
+      continue
+    yield node
+    for key in (*_SCHEMA_MAPS, "dependencies"):
+      if isinstance(node.get(key), dict):
+        stack.extend(node[key].values())
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONE, "not", "if"):
+      sub = node.get(key)
+      stack.extend(sub if isinstance(sub, list) else [sub])
+
+
 def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
   """The JSON schema of one call of any of `tools`: its name and its parameters' schema."""
   choices = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
-                                               arguments_key: tool["function"].get("parameters") or ANY_JSON_OBJECT},
+                                               arguments_key: _without_no_ops(tool["function"].get("parameters")
+                                                                              or ANY_JSON_OBJECT)},
               "required": ["name", arguments_key], "additionalProperties": False} for tool in tools]
   schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
   return {**schema, "x-guidance": JSON_OPTIONS}

@@ -6,8 +6,9 @@ FORMATS, tried in order on a whole reply:
         with content around them;
   json: Llama 3.1, the whole reply one `{"name": ..., "parameters": {...}}` (after an optional
         `<|python_tag|>`).
-A call whose JSON is malformed (or not a name with an object of arguments) stays in the content as
-written: the client sees what the model said, never an error.
+Either format's arguments key ("arguments" or "parameters") is read in both; a whole-reply JSON needs one of them.
+A call whose JSON is malformed (or not a name with an object of arguments, or holding NaN or Infinity, which
+JSON has not) stays in the content as written: the client sees what the model said, never an error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+_ARGUMENT_KEYS = ("arguments", "parameters")  # the tag format's, Llama 3.1's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +40,29 @@ class Parsed:
   calls: list[ToolCall]
 
 
-def _call(text: str, arguments_key: str) -> ToolCall | None:
+def _no_constant(name: str) -> Any:
+  # NaN and Infinity: Python reads them, but they are not JSON; a call holding one would send `arguments` that
+  # strict clients (JSON.parse) cannot read, so it is malformed.
+  raise ValueError(f"{name} is not JSON")
+
+
+def _call(text: str, arguments_key: str, required: bool = False) -> ToolCall | None:
+  """The call `text` writes: a name and its arguments under `arguments_key` or, where that is absent, the other
+  format's key (models trained on one format write the other's, and the arguments were dropped); with `required`,
+  one of them must be there (a whole reply that is JSON with a "name" is otherwise content)."""
   try:
-    obj = json.loads(text)
+    obj = json.loads(text, parse_constant=_no_constant)
   except (ValueError, RecursionError):
     return None
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
     return None
-  arguments = obj.get(arguments_key, {})
+  key = next((k for k in (arguments_key, *_ARGUMENT_KEYS) if k in obj), None)
+  if key is None and required:
+    return None
+  arguments = obj[key] if key is not None else {}
   if isinstance(arguments, str):  # some models write the arguments as a JSON string
     try:
-      arguments = json.loads(arguments)
+      arguments = json.loads(arguments, parse_constant=_no_constant)
     except (ValueError, RecursionError):
       return None
   return ToolCall(obj["name"], arguments) if isinstance(arguments, dict) else None
@@ -89,7 +103,7 @@ def _tagged(text: str) -> Parsed:
 def _whole_json(text: str) -> Parsed:
   body = text.strip()
   body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-  call = _call(body, "parameters") or _call(body, "arguments")
+  call = _call(body, "parameters", required=True)
   return Parsed("", [call]) if call else Parsed(text, [])
 
 
