@@ -20,13 +20,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 
 # The old names of options named after the config keys they set (the old --flags work with a warning).
 RENAMED = {"heads": "base_num_query_heads", "kv_heads": "base_num_kv_heads", "window": "sliding_window_size"}
 
 
-def main() -> None:
+KERNELS = ("dot_product", "flash")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The arguments, every list read and checked: nothing is measured with a bad one."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", default="1024,2048,4096,8192")
   parser.add_argument("--batch", type=int, default=1)
@@ -37,7 +42,17 @@ def main() -> None:
   parser.add_argument("--sliding_window_size", type=int, default=0, help="sliding window (0 = full causal)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--kernels", default="dot_product,flash")
-  args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args = tool_args.parse_args(parser, argv, renamed=RENAMED)
+  args.lengths = bench_args.numbers("lengths", args.lengths, "1024,2048")
+  args.kernels = bench_args.names("kernels", args.kernels, KERNELS)
+  for key in ("batch", "base_num_query_heads", "base_num_kv_heads", "head_dim", "block", "repeats"):
+    bench_args.at_least(key, getattr(args, key), 1)
+  bench_args.at_least("sliding_window_size", args.sliding_window_size, 0)
+  return args
+
+
+def main() -> None:
+  args = parse(None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -54,13 +69,13 @@ def main() -> None:
         f"window {window}, flash block {args.block}, {jax.devices()[0].device_kind}")
   print("| kernel | length | fwd+bwd s | tokens/s | temp memory MiB |")
   print("| --- | --- | --- | --- | --- |")
-  for length in (int(x) for x in args.lengths.split(",")):
+  for length in args.lengths:
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (args.batch, length, args.base_num_query_heads, args.head_dim), jnp.float32)
     kv_shape = (args.batch, length, args.base_num_kv_heads, args.head_dim)
     k, v = (jax.random.normal(key, kv_shape, jnp.float32) for key in keys[1:])
     segments = jnp.ones((args.batch, length), jnp.int32)
-    for name in args.kernels.split(","):
+    for name in args.kernels:
       kernel = kernels[name]
       step = jax.jit(jax.grad(lambda q, k, v, kernel=kernel: kernel(q, k, v, segments, window, 0.0).sum(),
                               argnums=(0, 1, 2)))
@@ -76,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

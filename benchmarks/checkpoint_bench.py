@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 # 8 layers of width 1024 (8 heads of 128, MLP 4096, SwiGLU) and a 32000 vocabulary: ~200M parameters.
 MODEL = dict(base_emb_dim=1024, base_num_query_heads=8, base_num_kv_heads=8, head_dim=128, base_mlp_dim=4096,
@@ -49,6 +50,8 @@ def main() -> None:
   parser.add_argument("--gcs", action="store_true", help="also measure a GCS endpoint (see above)")
   parser.add_argument("--base_num_decoder_layers", type=int, default=8, help="decoder layers (8: ~200M parameters)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  for key in ("steps", "base_num_decoder_layers"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -173,4 +176,4 @@ def _report(label, state_gb, save_s, restore_s, block_s, wait_s, step_s, during_
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 
 # The old names of options named after the config keys they set (the old --flags work with a warning).
@@ -41,6 +42,12 @@ def main() -> None:
   parser.add_argument("--strategies", default="all_gather,ring,all_to_all")
   parser.add_argument("--balance", default="both", choices=("both", "on", "off"))
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  # the config's own list: a name it does not know is refused here, not after the earlier strategies ran
+  from MaxText.configuration.model_checks import CONTEXT_PARALLEL_STRATEGIES  # noqa: PLC0415
+  args.strategies = bench_args.names("strategies", args.strategies, CONTEXT_PARALLEL_STRATEGIES)
+  for key in ("max_target_length", "ici_sequence_parallelism", "base_num_query_heads", "base_num_kv_heads",
+              "head_dim", "block", "repeats"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.ici_sequence_parallelism}")
@@ -63,7 +70,7 @@ def main() -> None:
         f"{args.head_dim}, float32, causal, flash block {args.block}")
   print("| strategy | load balance | fwd+bwd s | tokens/s | temp memory per device MiB |")
   print("| --- | --- | --- | --- | --- |")
-  for strategy in args.strategies.split(","):
+  for strategy in args.strategies:
     for balanced in balances:
       config = Config.for_testing(
           base_emb_dim=args.base_num_query_heads * args.head_dim, base_num_query_heads=args.base_num_query_heads,
@@ -94,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,6 +108,8 @@ def main() -> None:
   parser.add_argument("--max_shard_mb", type=int, default=200)
   parser.add_argument("--workdir", default=None)
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  for key in ("base_emb_dim", "base_num_decoder_layers", "vocab_size", "max_shard_mb"):
+    bench_args.at_least(key, getattr(args, key), 1)
   if args.workdir is not None and not os.path.isdir(args.workdir):
     parser.error(f"workdir={args.workdir} is not a directory; create it or leave workdir out (a temporary one)")
   with tempfile.TemporaryDirectory(dir=args.workdir) as work:
@@ -125,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 # ~42M parameters: 8 layers of width 512 (8 heads of 64, MLP 2048, SwiGLU) and a 8192 vocabulary.
 MODEL = dict(base_emb_dim=512, base_num_query_heads=8, base_num_kv_heads=8, head_dim=64, base_mlp_dim=2048,
@@ -34,6 +35,8 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=4, help="sequences per step")
   parser.add_argument("--max_target_length", type=int, default=256)
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  for key in ("steps", "batch", "max_target_length"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -71,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

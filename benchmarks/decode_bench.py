@@ -55,6 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 # ~110M parameters: 12 layers of width 768 (12 heads of 64, SwiGLU MLP 2048), a 32000 vocabulary
 # tied to the output projection (24.6M of the total).
@@ -67,7 +68,8 @@ MODEL = dict(base_emb_dim=768, base_num_query_heads=12, base_num_kv_heads=12, he
 RENAMED = {"prefill": "max_prefill_predict_length", "int8": "quantize_kvcache", "page_size": "kv_page_size"}
 
 
-def main() -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The arguments, every list read and checked: nothing is measured with a bad one."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--max_prefill_predict_length", type=int, default=128, help="prompt tokens")
   parser.add_argument("--steps", type=int, default=32, help="generate steps timed")
@@ -87,7 +89,22 @@ def main() -> None:
   parser.add_argument("--quality", action="store_true", help="only the quantize_weights quality table")
   parser.add_argument("--response_format", default="none", choices=("none", "json_schema"),
                       help="json_schema: also time decoding under a JSON schema (constrained decoding)")
-  args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args = tool_args.parse_args(parser, argv, renamed=RENAMED)
+  from MaxText.configuration.config_groups import KV_CACHE_LAYOUTS, WEIGHT_QUANTIZATION_MODES  # noqa: PLC0415
+  args.slots = bench_args.numbers("slots", args.slots, "1,8")
+  args.layouts = bench_args.names("layouts", args.layouts, ("unrolled", "scanned"))
+  args.caches = bench_args.names("caches", args.caches, KV_CACHE_LAYOUTS)
+  args.pool_multiples = bench_args.numbers("pool_multiples", args.pool_multiples, "1,2")
+  weight_modes = ["none"] + [m for m in WEIGHT_QUANTIZATION_MODES if m]
+  args.quantize_weights = bench_args.names("quantize_weights", args.quantize_weights, weight_modes)
+  for key in ("max_prefill_predict_length", "steps", "repeats", "kv_page_size"):
+    bench_args.at_least(key, getattr(args, key), 1)
+  bench_args.at_least("speculative_tokens", args.speculative_tokens, 0)
+  return args
+
+
+def main() -> None:
+  args = parse(None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import numpy as np
@@ -100,12 +117,12 @@ def main() -> None:
   prompt = list(np.random.default_rng(0).integers(1, MODEL["vocab_size"], args.max_prefill_predict_length))
   if "paged" in args.caches:
     memory(args)
-  for layout in args.layouts.split(","):
-    for cache in args.caches.split(","):
+  for layout in args.layouts:
+    for cache in args.caches:
       max_length = args.max_prefill_predict_length + (args.steps + 1) * (args.speculative_tokens + 1) + 2
-      for num_slots in (int(s) for s in args.slots.split(",")):
-        for multiple in ([int(m) for m in args.pool_multiples.split(",")] if cache == "paged" else [0]):
-          for weights in args.quantize_weights.split(","):
+      for num_slots in args.slots:
+        for multiple in (args.pool_multiples if cache == "paged" else [0]):
+          for weights in args.quantize_weights:
             pages = multiple * num_slots * -(-max_length // args.kv_page_size)
             overrides = dict(MODEL, scan_layers=layout == "scanned",
                              max_prefill_predict_length=args.max_prefill_predict_length,
@@ -114,7 +131,7 @@ def main() -> None:
                              kv_page_size=args.kv_page_size, kv_num_pages=pages,
                              quantize_weights="" if weights == "none" else weights)
             label = f"{layout} cache={cache}" + (f" pool={multiple}x pages={pages}" if cache == "paged" else "")
-            label += f" weights={weights}" if args.quantize_weights != "none" else ""
+            label += f" weights={weights}" if args.quantize_weights != ["none"] else ""
             run(overrides, label, num_slots, prompt, args)
 
 
@@ -338,4 +355,4 @@ def speculate(overrides: dict[str, Any], target: Any, target_params: Any, layout
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

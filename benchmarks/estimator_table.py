@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,6 +59,15 @@ def spearman(xs: list[float], ys: list[float]) -> float:
   return float(spearmanr(xs, ys).statistic)
 
 
+def chosen_points(only: str, slices: str) -> set[str]:
+  """The slice counts `slices` names (all when empty), checked against POINTS before anything compiles."""
+  counts = [str(n) for n in sorted({p[2] for p in POINTS})]
+  wanted = set(bench_args.names("slices", slices, counts)) if slices.strip() else set(counts)
+  if not any(recipe.startswith(only) for recipe, _, _, _ in POINTS):
+    raise UserError(f"only={only!r} is the prefix of no recipe here; e.g. only=v5e or only=v5p/32b")
+  return wanted
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--output_path", default="outputs/estimator_points.jsonl")
@@ -64,6 +75,7 @@ def main() -> int:
   parser.add_argument("--slices", default="", help="compile only these slice counts (e.g. 1,2,8,32)")
   parser.add_argument("--reuse", default="", help="plan_recipes.py's output: its single-slice recipe compiles")
   opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
+  chosen = chosen_points(opts.only, opts.slices)
   out = Path(opts.output_path)
   out.parent.mkdir(parents=True, exist_ok=True)
   done = {}
@@ -82,7 +94,7 @@ def main() -> int:
                        "estimate": round(planned["recipe_mfu"] * 100, 1), "compile_s": planned["recipe_compile_s"],
                        "hbm_used": None, "returncode": 0, "error": None}
   for recipe, topology, slices, published in POINTS:
-    wanted = not opts.slices or str(slices) in opts.slices.split(",")
+    wanted = str(slices) in chosen
     if (recipe, topology, slices) in done or not recipe.startswith(opts.only) or not wanted:
       continue
     row = {"recipe": recipe, "topology": topology, "slices": slices, "published": published,
@@ -110,4 +122,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  bench_args.run(main)

@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE_TAG = "SUITE_JSON "
@@ -324,8 +325,9 @@ def plan_configs(args: argparse.Namespace, fp8: bool) -> list[tuple[str, str, in
   """(model, quant, seq, why skipped or '', no extra settings) in the order they run."""
   if args.dry_run:
     return [("tiny", "bf16", 64, "", {}), ("tiny", "fp8", 64, "" if fp8 else NO_FP8, {})]
-  wanted = set(args.rows.split(",")) if args.rows else set(MODELS)
-  quants = set(args.quants.split(",")) if args.quants else {"bf16", "fp8"}
+  # rows=none: no training rows, only the serving ones
+  wanted = set(bench_args.names("rows", args.rows, [*MODELS, "none"])) if args.rows else set(MODELS)
+  quants = set(bench_args.names("quants", args.quants, ("bf16", "fp8"))) if args.quants else {"bf16", "fp8"}
   out: list[tuple[str, str, int, str, dict[str, Any]]] = []
   for model, quant, seq in DEFAULT_CONFIGS + FULL_EXTRA:
     if model not in wanted or quant not in quants:
@@ -515,8 +517,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, str]] | None:
     children = {"probe": child_probe, "train": lambda: child_train(spec), "serve": lambda: child_serve(spec)}
     children[args._child]()
     return None
+  # every row's arguments read before the probe child starts: a bad one is refused before anything runs
+  plan_configs(args, fp8=False)
+  plan_extra(args.extra, args.dry_run)
+  for key in ("budget_s", "row_timeout_s", "steps"):
+    bench_args.at_least(key, getattr(args, key), 1)
   return run_suite(args)
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

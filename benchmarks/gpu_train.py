@@ -26,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 # A model that compiles and steps in seconds on CPU (the smoke=true run and the CPU int8/bf16 figures).
 SMOKE_MODEL = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=2, head_dim=16, base_mlp_dim=128,
@@ -46,7 +48,17 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
                       help="key=v1,v2: one run per value, e.g. quantization=,int8 or attention=dot_product,cudnn_flash")
   parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU")
   args, rest = tool_args.parse_known_args(parser, argv)
+  for item in rest:
+    if "=" not in item or not item.partition("=")[0]:
+      raise UserError(f"{item!r} is not key=value; give config keys as key=value")
   extra = dict(item.split("=", 1) for item in rest)
+  key, sep, values = args.compare.partition("=")
+  if args.compare and not (sep and key):
+    # values stay split as typed: an empty one is a value (quantization=,int8 compares none with int8)
+    raise UserError(f"compare={args.compare!r}: write key=v1,v2, e.g. compare=attention=dot_product,cudnn_flash")
+  bench_args.at_least("steps", args.steps, 1)
+  bench_args.at_least("per_device_batch_size", args.per_device_batch_size, 1e-9)
+  bench_args.at_least("max_target_length", args.max_target_length, 1)
   return args, extra
 
 
@@ -119,4 +131,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

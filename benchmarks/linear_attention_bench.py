@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 SHAPE = dict(decoder_block="qwen3_next", base_emb_dim=128, base_num_query_heads=4, base_num_kv_heads=2, head_dim=32,
              attention_output_gate=True, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
@@ -51,8 +52,12 @@ def main() -> None:
   parser.add_argument("--decode", action="store_false", help="false: leave out the decode step")
   parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
   args = tool_args.parse_args(parser, None, renamed={"no_train": "train", "no_decode": "decode"})
+  args.lengths = bench_args.numbers("lengths", args.lengths, "4096,16384")
+  args.layers = bench_args.names("layers", args.layers, ("linear", "full"))
+  bench_args.at_least("repeats", args.repeats, 1)
+  bench_args.at_least("decode_steps", args.decode_steps, 1)
   if args.aot:
-    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.layers.split(","))
+    _aot_table(args.aot, args.lengths, args.layers)
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -62,8 +67,8 @@ def main() -> None:
         "chunks of 64; full: 4 query / 2 KV heads of 32, flash")
   print("| layer | tokens | train fwd+bwd s | train tokens/s | decode ms/token at this context |")
   print("| --- | --- | --- | --- | --- |")
-  for length in (int(x) for x in args.lengths.split(",")):
-    for layer in args.layers.split(","):
+  for length in args.lengths:
+    for layer in args.layers:
       train = _train_seconds(layer, length, args.repeats) if args.train else None
       decode = _decode_seconds(layer, length, args.decode_steps) if args.decode else None
       cells = [f"{train:.2f}" if train else "", f"{length / train:,.0f}" if train else "",
@@ -157,4 +162,4 @@ def _decode_seconds(kind: str, length: int, steps: int) -> float:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

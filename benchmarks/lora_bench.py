@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments)
+from benchmarks import bench_args  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -84,6 +85,9 @@ def main() -> None:
   parser.add_argument("--base_num_decoder_layers", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; the best is reported")
   args = tool_args.parse_args(parser, None)
+  for key in ("serve_max_slots", "requests", "max_tokens", "prompt_length", "lora_rank", "base_emb_dim",
+              "base_num_decoder_layers", "repeats"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
 
@@ -122,4 +126,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

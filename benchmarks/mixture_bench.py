@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--per_device_batch_size", type=int, default=4)
   parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
   args = tool_args.parse_args(parser, argv, renamed=RENAMED)
+  for key in ("batches", "max_target_length", "per_device_batch_size", "devices"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
 
@@ -121,4 +124,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main, with_argv=True)

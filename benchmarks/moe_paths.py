@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.configuration.model_checks import MOE_DISPATCHES  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 CPU_PATHS = {"padded dropless": dict(capacity_factor=-1.0), "capacity 1.25": dict(capacity_factor=1.25),
              "grouped dropless": dict(capacity_factor=-1.0, sparse_matmul=True)}
@@ -74,8 +76,8 @@ def tpu(args: argparse.Namespace) -> None:
   from MaxText.aot.memory_report import MemoryReport, format_bytes
   from MaxText.training.run_assembly import build_run
 
-  for model_name in args.models.split(","):
-    for dispatch in args.dispatch.split(","):
+  for model_name in args.models:
+    for dispatch in args.dispatch:
       overrides = dict(TPU_MODELS[model_name], compile_topology=args.tpu, ici_expert_parallelism=args.ici_expert_parallelism,
                        ici_fsdp_parallelism=-1, per_device_batch_size=args.per_device_batch_size,
                        max_target_length=args.max_target_length,
@@ -116,6 +118,13 @@ def main() -> None:
   parser.add_argument("--moe_ragged_buffer_factor", type=float, default=-1.0,
                       help="AOT mode: moe_ragged_buffer_factor of the all_to_all runs (<= 0: worst case)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args.dispatch = bench_args.names("dispatch", args.dispatch, MOE_DISPATCHES)
+  args.models = bench_args.names("models", args.models, TPU_MODELS)
+  for key in ("steps", "num_experts", "per_device_batch_size"):
+    bench_args.at_least(key, getattr(args, key), 1)
+  for key in ("max_target_length", "ici_expert_parallelism"):  # None: the mode's default
+    if getattr(args, key) is not None:
+      bench_args.at_least(key, getattr(args, key), 1)
   if args.tpu:
     args.max_target_length = args.max_target_length or 4096
     args.ici_expert_parallelism = args.ici_expert_parallelism or 8
@@ -127,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

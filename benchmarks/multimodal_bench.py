@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 TEXT: dict[str, Any] = dict(base_emb_dim=512, base_num_query_heads=8, base_num_kv_heads=4, head_dim=64, base_mlp_dim=2048,
             base_num_decoder_layers=6, vocab_size=8192)
@@ -127,6 +128,8 @@ def main() -> None:
   parser.add_argument("--published_tower", action="store_true",
                       help="also time gemma3-4b-vision's own tower (SigLIP-So400m at 896 x 896) on one image")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  for key in ("steps", "batch", "max_target_length", "max_images_per_row"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -183,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -1,6 +1,6 @@
 """Matmul throughput of the training matmul modes: bf16, fp8 and mxfp8, forward and forward + backward.
 
-    python3 benchmarks/mxfp8_bench.py [sizes=1024,2048,4096] [repeats=5] [modes=,fp8,mxfp8]
+    python3 benchmarks/mxfp8_bench.py [sizes=1024,2048,4096] [repeats=5] [modes=bf16,fp8,mxfp8]
 
 One [M, K] x [K, N] product (M = N = K = size) through `quantization.quantized_dot_general`,
 the function the model's projections call, with bfloat16 operands; "fwd+bwd" is the gradient
@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,23 +43,38 @@ def _seconds(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def main() -> None:
+MODES = {"bf16": "", "fp8": "fp8", "mxfp8": "mxfp8"}  # the name a table row shows -> quantized_dot_general's mode
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The arguments, every list read and checked: nothing is measured with a bad one."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="1024,2048,4096")
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--modes", default=",fp8,mxfp8", help='quantization modes, "" = bf16')
-  args = tool_args.parse_args(parser, None)
+  parser.add_argument("--modes", default="bf16,fp8,mxfp8", help="quantization modes: bf16, fp8, mxfp8")
+  args = tool_args.parse_args(parser, argv)
+  args.sizes = bench_args.numbers("sizes", args.sizes, "1024,2048")
+  if args.modes.strip().startswith(","):  # the old spelling of bf16 was an empty first item
+    raise UserError(f"modes={args.modes!r} starts with an empty item; write bf16 for the bf16 mode, e.g. "
+                    "modes=bf16,fp8,mxfp8")
+  args.modes = [MODES[m] for m in bench_args.names("modes", args.modes, MODES)]
+  bench_args.at_least("repeats", args.repeats, 1)
+  return args
+
+
+def main() -> None:
+  args = parse(None)
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}), bfloat16 operands, median of {args.repeats} calls")
   print("| mode | size | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
   print("| --- | --- | --- | --- | --- | --- |")
-  for size in (int(s) for s in args.sizes.split(",")):
+  for size in args.sizes:
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (size, size), jnp.bfloat16)
     w = (jax.random.normal(kw, (size, size), jnp.float32) / size ** 0.5).astype(jnp.bfloat16)
     cotangent = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
     flops = 2.0 * size ** 3
-    for mode in args.modes.split(","):
+    for mode in args.modes:
       def forward(x: jax.Array, w: jax.Array, mode: str = mode) -> jax.Array:
         return quantization.quantized_dot_general(mode, x, w, DIMS)
 
@@ -69,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -73,13 +74,16 @@ def main() -> None:
   parser.add_argument("--learning_rates", default="1e-3,3e-3,1e-2")
   parser.add_argument("--workdir", default="outputs/opt_bench")
   args = tool_args.parse_args(parser, None)
+  bench_args.decimals("learning_rates", args.learning_rates, "1e-3,3e-3")
+  learning_rates = bench_args.items("learning_rates", args.learning_rates)  # kept as typed: the table shows them
+  bench_args.at_least("steps", args.steps, 1)
   workdir = (REPO / args.workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)
   data = prepare(workdir)
   best: dict[str, tuple[float, str, float]] = {}
   print(f"{'optimizer':>9} {'lr':>7} {'eval loss':>10} {'step s':>8}")
   for opt_type in ("adamw", "muon"):
-    for lr in args.learning_rates.split(","):
+    for lr in learning_rates:
       loss, seconds = train(workdir, data, opt_type, lr, args.steps)
       print(f"{opt_type:>9} {lr:>7} {loss:10.4f} {seconds:8.3f}", flush=True)
       if opt_type not in best or loss < best[opt_type][0]:
@@ -92,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 CASES = {"v5e/16b": "v5e-256", "v5e/128b": "v5e-256", "v5p/32b": "v5p-128"}
 # The model's keys, read off our recipe, that fix the FLOPs both compiles are measured against.
@@ -128,14 +131,18 @@ def main() -> int:
   parser.add_argument("--output_path", default="outputs/peer_aot.jsonl")
   parser.add_argument("--columns", default="upstream,ours,planned", help="which compiles to run")
   opts = tool_args.parse_args(parser, None, renamed={"out": "output_path"})
-  columns = set(opts.columns.split(","))
+  columns = set(bench_args.names("columns", opts.columns, ("upstream", "ours", "planned")))
+  cases = bench_args.names("cases", opts.cases, CASES)
+  if shutil.which(opts.peer_python) is None:
+    raise UserError(f"peer_python={opts.peer_python!r} is not a program here; give the python of the environment "
+                    "with upstream's maxtext")
   from MaxText.platform import accelerators  # noqa: PLC0415
   versions = subprocess.run([opts.peer_python, "-c", "import jax, jaxlib, importlib.metadata as m; "
                              "print(jax.__version__, jaxlib.__version__, m.version('libtpu'), m.version('maxtext'))"],
                             capture_output=True, text=True, check=True).stdout.split()
   print(f"jax {versions[0]}, jaxlib {versions[1]}, libtpu {versions[2]}, upstream maxtext {versions[3]}", flush=True)
   rows = []
-  for case in [c for c in opts.cases.split(",") if c]:
+  for case in cases:
     topology = CASES[case]
     peak = accelerators.tpu_topology(topology).generation.peak_tflops * 1e12
     row: dict = {"case": case, "topology": topology, "versions": versions}
@@ -161,4 +168,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  bench_args.run(main)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 
 # The old names of options named after the config keys they set (the old --flags work with a warning).
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--per_device_batch_size", type=int, default=4)
   parser.add_argument("--steps", type=int, default=3)
   args = tool_args.parse_args(parser, argv, renamed=RENAMED)
+  for key in ("ici_pipeline_parallelism", "num_pipeline_microbatches", "repeats", "devices",
+              "base_num_decoder_layers", "base_emb_dim", "max_target_length", "per_device_batch_size", "steps"):
+    bench_args.at_least(key, getattr(args, key), 1)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
 
@@ -88,4 +92,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main, with_argv=True)

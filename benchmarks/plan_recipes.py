@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.configuration.config_yaml import split_items  # noqa: E402
 from MaxText.errors import UserError, run_cli  # noqa: E402
 
 import estimator_table  # noqa: E402  (the recipe compile and its MFU, shared)
@@ -60,7 +61,8 @@ def recipe_names(given: str) -> list[str]:
   """The recipes `given` names (comma-separated gen/name; "" = every v5e and v5p recipe); a name with no
   configs/<name>.sh is one line listing those there are (it was a FileNotFoundError traceback)."""
   known = sorted(f"{p.parent.name}/{p.stem}" for gen in ("v5e", "v5p") for p in (REPO / "configs" / gen).glob("*.sh"))
-  names = [n.strip().removesuffix(".sh") for n in given.split(",") if n.strip()]
+  # only commas (an empty shell variable in a list) is the line below; an empty item among names, one of its own
+  names = [n.removesuffix(".sh") for n in split_items("recipes", given)] if given.replace(",", "").strip() else []
   if given and not names:  # an empty shell variable: not every recipe (hours of plans)
     raise UserError(f"recipes={given!r} names no recipe; leave it out for every v5e and v5p recipe")
   names = names or known

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.configuration import tool_args
+from benchmarks import bench_args
 from MaxText.layers import attention, attention_kernels, masks, ring_attention, ring_blocks
 
 FAILED: list[str] = []
@@ -217,4 +217,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  bench_args.run(main, with_argv=True)

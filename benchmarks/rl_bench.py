@@ -45,6 +45,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 REWARD = "def low_ids(completion_ids, **_):\n  return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]\n"
 # The tools modes' environment: a tool message after each model turn, the episode ends after the third.
@@ -123,11 +124,11 @@ def main() -> int:
   parser.add_argument("--rl_rollout_devices", type=int, default=2, help="devices of the rollout mesh (split, async*)")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
   devices = args.devices if args.platform == "cpu" else 1
-  modes = [m for m in args.modes.split(",") if m]
-  unknown = [m for m in modes if m not in MODES]
-  if unknown:
-    print(f"error: modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
-    return 2
+  modes = bench_args.names("modes", args.modes, MODES)
+  for key in ("steps", "devices", "max_completion_length", "num_generations", "rows", "base_emb_dim",
+              "base_num_decoder_layers", "rl_rollout_devices"):
+    bench_args.at_least(key, getattr(args, key), 1)
+  bench_args.at_least("tool_latency_s", args.tool_latency_s, 0)
   prefill = 64
   emb = args.base_emb_dim
   model = dict(base_emb_dim=emb, base_num_query_heads=4, base_num_kv_heads=4, head_dim=emb // 4, base_mlp_dim=4 * emb,
@@ -226,4 +227,4 @@ def _episodes(timed: list[dict[str, Any]], rows: int) -> str:
           f"overlapped_step_share={overlap:.3f}")
 
 if __name__ == "__main__":
-  sys.exit(main())
+  bench_args.run(main)

@@ -62,6 +62,8 @@ from typing import Any, AsyncIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from MaxText.errors import UserError  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
 
 
 # The old names of options named after the config keys they set (the old --flags work with a warning).
@@ -332,12 +334,12 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
   # Compiles every step (its prompts have no shared prefix: nothing of the measured load is cached yet).
   clients.round(url, 2, 2, 4, prompt_lengths, args.vocab_size, args.long_prompt)
   _compile_prefills(server.scheduler, args.vocab_size, max(prompt_lengths))
-  most = max(int(c) for c in args.concurrency.split(","))  # and a first round at the most clients, untimed
+  most = max(args.concurrency)  # and a first round at the most clients, untimed
   clients.round(url, most, most, 4, prompt_lengths, args.vocab_size, args.long_prompt)
   gc.freeze()  # as MaxText.serve does once the server is built (unfrozen when this layout's server stops)
   if args.shared_prefix:  # the measured load once, untimed: its prefill shapes compile, and the steady
     # state of a shared system prompt (already cached, with prefix caching) is what gets measured
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+    for concurrency in args.concurrency:
       clients.round(url, concurrency, concurrency * args.requests_per_client, args.max_tokens, prompt_lengths,
                     args.vocab_size, args.long_prompt, args.shared_prefix)
   peak = {"pages": 0}
@@ -370,7 +372,7 @@ def _serve_layout(args, clients: Clients, layout: str, prompt_lengths: list[int]
   rates: dict[int, float] = {}
   front_ends = [p.pid for p in uv.front_ends.processes] if http_processes else []
   cpu_before, timed_tokens = _cpu_seconds(front_ends), 0
-  for concurrency in [int(c) for c in args.concurrency.split(",")]:
+  for concurrency in args.concurrency:
     n = concurrency * args.requests_per_client
     t = clients.round(url, concurrency, n, args.max_tokens, prompt_lengths, args.vocab_size, args.long_prompt,
                       args.shared_prefix)
@@ -515,7 +517,17 @@ def _step_ms(config: Any) -> float:
   return best
 
 
-def main() -> None:
+def _switches(key: str, text: str) -> list[bool]:
+  values = []
+  for item in bench_args.items(key, text):
+    if item.lower() not in ("true", "false"):
+      raise UserError(f"{key}: {item!r} is not true or false; give true, false or a list of them")
+    values.append(item.lower() == "true")
+  return values
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The arguments, every list read and checked: nothing is served with a bad one."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--concurrency", default="1,4,16")
   parser.add_argument("--requests_per_client", type=int, default=4)
@@ -539,11 +551,34 @@ def main() -> None:
   parser.add_argument("--step_reference", default="false", help="true: also time the jitted step alone (RESULT host)")
   parser.add_argument("--scheduler_alone", default="false", help="true: the scheduler without HTTP (1 and 8 jobs "
                       "at a time, requests_per_client x 8 jobs), its thread's and the process's CPU per token")
-  args = tool_args.parse_args(parser, None, renamed=RENAMED)
-  args.scheduler_alone = str(args.scheduler_alone).strip().lower() == "true"
-  args.step_reference = str(args.step_reference).strip().lower() == "true"
+  args = tool_args.parse_args(parser, argv, renamed=RENAMED)
+  for key in ("scheduler_alone", "step_reference"):
+    value = _switches(key, getattr(args, key))
+    if len(value) != 1:
+      raise UserError(f"{key} takes one value, true or false")
+    setattr(args, key, value[0])
+  args.concurrency = bench_args.numbers("concurrency", args.concurrency, "1,4,16")
+  # prompt_lengths stays as typed: the table's heading quotes it
+  args.prompt_token_lengths = bench_args.numbers("prompt_lengths", args.prompt_lengths, "8,24")
+  from MaxText.configuration.config_groups import KV_CACHE_LAYOUTS  # noqa: PLC0415
+  args.caches = bench_args.names("caches", args.caches, KV_CACHE_LAYOUTS)
+  args.prefill_chunk_sizes = bench_args.numbers("prefill_chunk_sizes", args.prefill_chunk_sizes, "0,64", minimum=0)
+  args.prefix_caching = _switches("prefix_caching", args.prefix_caching)
+  args.speculative_tokens = bench_args.numbers("speculative_tokens", args.speculative_tokens, "0,3", minimum=0)
+  args.decode_steps_per_call = bench_args.numbers("decode_steps_per_call", args.decode_steps_per_call, "1,4")
+  args.serve_http_processes = bench_args.numbers("serve_http_processes", args.serve_http_processes, "0,2", minimum=0)
+  for key in ("requests_per_client", "max_tokens", "serve_max_slots", "base_emb_dim", "base_num_decoder_layers",
+              "vocab_size", "kv_page_size"):
+    bench_args.at_least(key, getattr(args, key), 1)
+  for key in ("kv_num_pages", "long_prompt", "shared_prefix"):
+    bench_args.at_least(key, getattr(args, key), 0)
+  return args
+
+
+def main() -> None:
+  args = parse(None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  prompt_lengths = [int(x) for x in args.prompt_lengths.split(",")]
+  prompt_lengths = args.prompt_token_lengths
   max_target = max([n + args.shared_prefix for n in prompt_lengths] + [args.long_prompt]) + args.max_tokens
   tokenizer = _tokenizer(Path(tempfile.mkdtemp()) / "tok", args.vocab_size)
   clients = Clients()
@@ -554,16 +589,16 @@ def main() -> None:
 
 
 def _serve_layouts(args, clients: Clients, prompt_lengths: list[int], max_target: int, tokenizer: Path) -> None:
-  for layout in args.caches.split(","):
-    for chunk in [int(c) for c in args.prefill_chunk_sizes.split(",")] if layout == "paged" else [0]:
-      for caching in [v.strip().lower() == "true" for v in args.prefix_caching.split(",")] if layout == "paged" \
+  for layout in args.caches:
+    for chunk in args.prefill_chunk_sizes if layout == "paged" else [0]:
+      for caching in args.prefix_caching if layout == "paged" \
           else [False]:
-        for speculative in [int(k) for k in args.speculative_tokens.split(",")]:
-          for steps_per_call in [int(k) for k in args.decode_steps_per_call.split(",")]:
-            for http_processes in [int(n) for n in args.serve_http_processes.split(",")]:
+        for speculative in args.speculative_tokens:
+          for steps_per_call in args.decode_steps_per_call:
+            for http_processes in args.serve_http_processes:
               _serve_layout(args, clients, layout, prompt_lengths, max_target, tokenizer, chunk, caching,
                             speculative, steps_per_call, http_processes)
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

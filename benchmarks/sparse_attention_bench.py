@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
+from benchmarks import bench_args  # noqa: E402
 
 MASKED_MAX = 16384
 
@@ -50,8 +51,12 @@ def main() -> None:
   parser.add_argument("--forms", default="full,gathered,masked", help="the CPU forms; --aot compiles full and sparse")
   parser.add_argument("--aot", default="", help="a TPU topology (e.g. v5p-8): predict its train step instead")
   args = tool_args.parse_args(parser, None, renamed=RENAMED)
+  args.lengths = bench_args.numbers("lengths", args.lengths, "4096,16384")
+  args.forms = bench_args.names("forms", args.forms, ("full", "gathered", "masked"))
+  for key in ("base_num_query_heads", "index_n_heads", "repeats"):
+    bench_args.at_least(key, getattr(args, key), 1)
   if args.aot:
-    _aot_table(args.aot, [int(x) for x in args.lengths.split(",")], args.index_topk)
+    _aot_table(args.aot, args.lengths, args.index_topk)
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -73,11 +78,11 @@ def main() -> None:
         f"float32, {jax.devices()[0].device_kind}")
   print("| form | tokens | fwd+bwd s | tokens/s |")
   print("| --- | --- | --- | --- |")
-  for length in (int(x) for x in args.lengths.split(",")):
+  for length in args.lengths:
     x = jax.random.normal(jax.random.key(0), (1, length, 128), jnp.float32)
     positions = jnp.arange(length)[None]
     segments = jnp.ones((1, length), jnp.int32)
-    for form in args.forms.split(","):
+    for form in args.forms:
       if form == "masked" and length > MASKED_MAX:
         continue
       topk = 0 if form == "full" else args.index_topk
@@ -116,4 +121,4 @@ def _aot_table(topology: str, lengths: list[int], topk: int) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  bench_args.run(main)

@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from MaxText.configuration import tool_args  # noqa: E402  (key=value arguments, the old --flags kept)
 
-from benchmarks.estimator_table import POINTS  # noqa: E402
+from benchmarks import bench_args  # noqa: E402
+from benchmarks.estimator_table import POINTS, chosen_points  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAVED = REPO / "outputs" / "steptime"
@@ -46,11 +47,11 @@ def compile_point(recipe: str, topology: str, slices: int) -> tuple[int, float, 
   return result.returncode, time.perf_counter() - start, (result.stdout + result.stderr).strip().splitlines()[-1]
 
 
-def compile_all(only: str, slices: str) -> None:
+def compile_all(only: str, slices: set[str]) -> None:
   # The two ends of the DCN range first, then single slices, then the middle.
   order = {2: 0, 32: 1, 1: 2, 8: 3, 4: 4, 16: 5}
   for recipe, topology, num_slices, _ in sorted(POINTS, key=lambda p: (order[p[2]], p[0])):
-    if not recipe.startswith(only) or (slices and str(num_slices) not in slices.split(",")):
+    if not recipe.startswith(only) or str(num_slices) not in slices:
       continue
     if (recipe, topology) in UNCOMPILABLE or Path(f"{stem(recipe, topology, num_slices)}.json").exists():
       continue
@@ -68,7 +69,7 @@ def main() -> int:
                       help="table: the reading of the overlap to fit (MaxText/aot/step_time/program.py)")
   opts = tool_args.parse_args(parser, None)
   if opts.what == "compile":
-    compile_all(opts.only, opts.slices)
+    compile_all(opts.only, chosen_points(opts.only, opts.slices))
     return 0
   from benchmarks.step_time_fit import print_table  # noqa: PLC0415
   print_table(POINTS, stem, UNCOMPILABLE, SAVED / "table.json", opts.overlap)
@@ -76,4 +77,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  bench_args.run(main)

@@ -27,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from MaxText.configuration import tool_args  # noqa: E402
+from MaxText.configuration.config_yaml import split_items  # noqa: E402
 from MaxText.errors import UserError, run_cli  # noqa: E402
 
 # upstream's recipe file -> the slice a block runs on when its name gives none
@@ -124,7 +125,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--files", default=",".join(FILES), help="recipe files under upstream's benchmarks/, comma-separated")
   args = tool_args.parse_args(parser, argv)
   upstream = Path(args.upstream).expanduser()
-  names = [n.strip() for n in str(args.files).split(",") if n.strip()]
+  text = str(args.files)
+  names = split_items("files", text) if text.replace(",", "").strip() else []
   if not names:
     raise UserError(f"files={args.files} names no recipe file; leave it out for {','.join(FILES)}")
   sources = {name: read_recipe_file(upstream, name) for name in names}
