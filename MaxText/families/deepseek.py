@@ -152,23 +152,31 @@ def _model_keys(hf: Mapping[str, Any], decoder_block: str) -> dict[str, Any]:
   nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
   # Left out of config.json, first_k_dense_replace is DeepseekV3Config's 3: a 1- or 2-layer test model is all dense,
   # which check_layer_layout would refuse in keys the user never wrote.
-  dense, layers = int(hf.get("first_k_dense_replace") or 0), int(hf["num_hidden_layers"])
+  # transformers compares layer indices with first_k_dense_replace and multiplies the width by n_shared_experts
+  dense = r.count_hf(hf, "first_k_dense_replace", "a count of leading dense layers", 0, minimum=0)
+  layers = int(hf["num_hidden_layers"])
+  if rope % 2:  # rotated in pairs
+    raise ConfigError(f"HF config qk_rope_head_dim={rope} is not even: RoPE rotates dimensions in pairs")
+  shared = r.count_hf(hf, "n_shared_experts", "a shared-expert count", 0, minimum=0)
+  num_experts = r.routed_experts(hf, "n_routed_experts")
   if dense >= layers:
     raise ConfigError(f"HF config first_k_dense_replace={dense} >= num_hidden_layers={layers} (every layer dense) is "
                       f"not supported by the {hf.get('model_type')} converter: it needs at least one MoE layer; set "
                       "first_k_dense_replace below num_hidden_layers in config.json")
   return {
       "decoder_block": decoder_block, "base_emb_dim": int(hf["hidden_size"]), "base_num_query_heads": heads,
-      "base_num_kv_heads": heads, "base_mlp_dim": int(hf["moe_intermediate_size"]),
+      "base_num_kv_heads": heads, "base_mlp_dim": r.count_hf(hf, "moe_intermediate_size", "an expert width"),
       "base_num_decoder_layers": int(hf["num_hidden_layers"]), "head_dim": nope + rope,
       "vocab_size": int(hf["vocab_size"]), "mlp_activations": ["silu", "linear"],
       "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
       "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-      "attention_type": "mla", "q_lora_rank": int(hf.get("q_lora_rank") or 0),
-      "kv_lora_rank": int(hf["kv_lora_rank"]), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
-      "v_head_dim": int(hf["v_head_dim"]), **_rope_keys(hf),
-      "num_experts": r.routed_experts(hf, "n_routed_experts"), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
-      "shared_experts": int(hf.get("n_shared_experts") or 0), "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+      # null: queries projected directly; a rank of 0 is a query latent of width 0 in transformers (zero queries)
+      "attention_type": "mla",
+      "q_lora_rank": 0 if hf.get("q_lora_rank") is None else r.count_hf(hf, "q_lora_rank", "a query latent rank"),
+      "kv_lora_rank": r.count_hf(hf, "kv_lora_rank", "a key/value latent rank"), "qk_nope_head_dim": nope,
+      "qk_rope_head_dim": rope, "v_head_dim": r.count_hf(hf, "v_head_dim", "a value head width"), **_rope_keys(hf),
+      "num_experts": num_experts, "num_experts_per_tok": r.experts_per_token(hf, num_experts),
+      "shared_experts": shared, "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
       "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
       "first_dense_layers": dense, "dense_mlp_dim": int(hf["intermediate_size"]),
   }
@@ -198,18 +206,29 @@ def deepseek3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     hf = with_v3_defaults(hf)
   r.require_hf(hf, "scoring_func", ("sigmoid",), "sigmoid")
   r.require_hf(hf, "topk_method", ("noaux_tc",), "noaux_tc")
-  groups = int(hf.get("n_group") or 1)
+  groups, topk_groups = _expert_groups(hf)
   return {**_model_keys(hf, "deepseek3"), "moe_score_function": "sigmoid", "moe_score_correction_bias": True,
-          "moe_num_groups": groups, "moe_topk_groups": int(hf.get("topk_group") or groups),
-          "moe_group_score": "top2_sum"}
+          "moe_num_groups": groups, "moe_topk_groups": topk_groups, "moe_group_score": "top2_sum"}
+
+
+def _expert_groups(hf: Mapping[str, Any]) -> tuple[int, int]:
+  """n_group, topk_group: transformers splits the routed experts into n_group groups and keeps the best
+  topk_group (a 0 or null there is a division by zero, an empty or failed top-k: no model)."""
+  groups = r.count_hf(hf, "n_group", "an expert group count", 1)
+  topk_groups = r.count_hf(hf, "topk_group", "a count of expert groups per token", groups)
+  experts = hf.get("n_routed_experts")
+  if isinstance(experts, int) and experts % groups:
+    raise ConfigError(f"HF config n_group={groups} does not divide n_routed_experts={experts} into equal groups")
+  if topk_groups > groups:
+    raise ConfigError(f"HF config topk_group={topk_groups} is more than the n_group={groups} expert groups")
+  return groups, topk_groups
 
 
 def deepseek2_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_DEEPSEEK2_DEFAULTS, **hf}
   r.require_hf(hf, "scoring_func", ("softmax",), "softmax")
   method = r.require_hf(hf, "topk_method", ("greedy", "group_limited_greedy"), "greedy")
-  groups = int(hf.get("n_group") or 1) if method == "group_limited_greedy" else 1
-  topk_groups = int(hf.get("topk_group") or groups) if method == "group_limited_greedy" else 1
+  groups, topk_groups = _expert_groups(hf) if method == "group_limited_greedy" else (1, 1)
   return {**_model_keys(hf, "deepseek2"), "moe_score_function": "softmax", "moe_num_groups": groups,
           "moe_topk_groups": topk_groups, "moe_group_score": "max"}
 

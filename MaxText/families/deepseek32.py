@@ -55,7 +55,7 @@ def _dense_prefix(hf: Mapping[str, Any]) -> int:
   """The leading dense-MLP layers; HF's mlp_layer_types may name any pattern, ours is a prefix."""
   types = list(hf.get("mlp_layer_types") or [])
   if not types:
-    return int(hf.get("first_k_dense_replace") or 0)  # past the layer count: refused by deepseek._model_keys
+    return hf.get("first_k_dense_replace", 0)  # checked by deepseek._model_keys
   prefix = next((i for i, kind in enumerate(types) if kind != "dense"), len(types))
   if types[prefix:] != ["sparse"] * (len(types) - prefix):
     raise ConfigError(f"HF config mlp_layer_types={types} is not supported by the deepseek_v32 converter: only dense "

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from MaxText.configuration.config_fields import require
 from MaxText.configuration.model_config import ModelConfig
+from MaxText.errors import ConfigError
 from MaxText.families import tensor_maps as r
 from MaxText.families import VisionTower
 from MaxText.layers import decoders, vision_tower
@@ -75,15 +76,26 @@ def gemma2_model_keys(hf: Mapping[str, Any], defaults: Mapping[str, Any] = _GEMM
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                           for i in range(num_layers)]
-  window = hf.get("sliding_window")
-  pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
-  keys.update(decoder_block="gemma2", attention_layer_pattern=pattern,
-              attn_logits_soft_cap=float(hf.get("attn_logit_softcapping") or 0.0),
-              final_logits_soft_cap=float(hf.get("final_logit_softcapping") or 0.0),
+  local = [kind == "sliding_attention" for kind in layer_types]
+  window = r.sliding_window(hf, local)
+  keys.update(decoder_block="gemma2", attention_layer_pattern=r.attention_pattern(local),
+              attn_logits_soft_cap=soft_cap(hf, "attn_logit_softcapping"),
+              final_logits_soft_cap=soft_cap(hf, "final_logit_softcapping"),
               query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]))
-  if "local" in pattern and window:
-    keys["sliding_window_size"] = int(window)
+  if window is not None:
+    keys["sliding_window_size"] = window
   return keys
+
+
+def soft_cap(hf: Mapping[str, Any], key: str) -> float:
+  """A soft cap (0: none here); null is none in transformers, which divides by a 0 (NaN logits)."""
+  value = hf.get(key)
+  if value is None:
+    return 0.0
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    raise ConfigError(f"HF config {key}={value!r} is not a soft cap (a positive number, or null for none); use the "
+                      "checkpoint's own config.json")
+  return float(value)
 
 
 def gemma2_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -119,7 +131,7 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_GEMMA3_DEFAULTS, **hf}
   global_rope, local_rope = layer_type_ropes(hf, 1_000_000.0, hf.get("rope_local_base_freq", 10_000.0))
   if not hf.get("layer_types"):  # older config.json files: every sliding_window_pattern-th layer global, as HF reads them
-    period = int(hf.get("sliding_window_pattern") or 6)
+    period = r.count_hf(hf, "sliding_window_pattern", "a layer period", 6)
     hf = {**hf, "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
                                 for i in range(hf["num_hidden_layers"])]}
   # transformers' Gemma 3 attention takes no soft cap: a config's attn_logit_softcapping is not applied

@@ -29,7 +29,7 @@ from MaxText.configuration.model_config import ModelConfig
 from MaxText.families import tensor_maps as r
 from MaxText.errors import ConfigError
 from MaxText.families import Family, gemma4_layers, register_family
-from MaxText.families.gemma import _activation, _same
+from MaxText.families.gemma import _activation, _same, soft_cap
 from MaxText.families.llama import TINY_SHAPES, layer_type_ropes, max_positions, shape_hf_config, shape_keys
 from MaxText.layers import layer_shapes
 
@@ -128,18 +128,20 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys = {"decoder_block": "gemma4", **shape_keys(hf), **_rope_keys(hf), "mlp_activations": ["gelu", "linear"],
           "normalization_type": "rms", "logits_via_embedding": True, "scale_embedding": True, "use_qk_norm": True,
           "query_pre_attn_scalar": 1.0, "attention_layer_pattern": pattern,
-          "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0.0),
+          "final_logits_soft_cap": soft_cap(hf, "final_logit_softcapping"),
           **_global_shape(hf, kinds, k_eq_v),
           "attention_k_eq_v": k_eq_v, "use_v_norm": True,
           "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
           "kv_shared_double_mlp": bool(hf.get("use_double_wide_mlp", False)),
           "per_layer_input_dim": per_layer,
-          "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input") or 262_144) if per_layer else 0}
-  if "local" in pattern:
-    keys["sliding_window_size"] = int(hf.get("sliding_window", 512))
+          "per_layer_input_vocab_size": (r.count_hf(hf, "vocab_size_per_layer_input", "a vocabulary size", 262_144)
+                                         if per_layer else 0)}
+  if "local" in pattern:  # 512: transformers' default where absent
+    keys["sliding_window_size"] = r.count_hf(hf, "sliding_window", "a window for its sliding_attention layers", 512)
   if hf.get("enable_moe_block"):  # 26B A4B: experts (our mlp_dim) beside the dense MLP (dense_mlp_dim)
-    keys.update(moe_beside_mlp=True, num_experts=r.routed_experts(hf, "num_experts"),
-                num_experts_per_tok=int(hf["top_k_experts"]),
+    num_experts = r.routed_experts(hf, "num_experts")
+    keys.update(moe_beside_mlp=True, num_experts=num_experts,
+                num_experts_per_tok=r.experts_per_token(hf, num_experts, "top_k_experts"),
                 base_mlp_dim=int(hf["moe_intermediate_size"]), dense_mlp_dim=int(hf["intermediate_size"]),
                 norm_topk_prob=True)
   return keys

@@ -83,7 +83,9 @@ def gpt3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   d, heads = hf["n_embd"], hf["n_head"]
   return {
       "decoder_block": "gpt3", "base_emb_dim": d, "base_num_query_heads": heads, "base_num_kv_heads": heads,
-      "head_dim": d // heads, "base_mlp_dim": hf.get("n_inner") or 4 * d, "base_num_decoder_layers": hf["n_layer"],
+      "head_dim": d // heads, "base_num_decoder_layers": hf["n_layer"],
+      # null: 4 x n_embd, as in transformers; 0 is a zero-width MLP there
+      "base_mlp_dim": 4 * d if hf.get("n_inner") is None else r.count_hf(hf, "n_inner", "an MLP width"),
       "vocab_size": hf["vocab_size"], "mlp_activations": ["gelu"], "normalization_type": "layer",
       "normalization_layer_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "use_bias": True,
       "position_embedding": "learned", "max_position_embeddings": hf["n_positions"], "logits_via_embedding": True,

@@ -107,16 +107,17 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                           for i in range(num_layers)]
-  window = hf.get("sliding_window")
-  pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
+  local = [kind == "sliding_attention" for kind in layer_types]
+  window, pattern = r.sliding_window(hf, local), r.attention_pattern(local)
+  num_experts = r.routed_experts(hf, "num_local_experts", "num_experts")
   keys = {"decoder_block": "gpt_oss", **shape_keys(hf), **rope_keys(hf), "mlp_activations": list(ACTIVATIONS),
           "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
           "use_bias": True, "attention_sinks": True, "attention_layer_pattern": pattern,
-          "num_experts": r.routed_experts(hf, "num_local_experts", "num_experts"),
-          "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": True,
+          "num_experts": num_experts,
+          "num_experts_per_tok": r.experts_per_token(hf, num_experts), "norm_topk_prob": True,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False))}
-  if window and "local" in pattern:
-    keys["sliding_window_size"] = int(window)
+  if window is not None:
+    keys["sliding_window_size"] = window
   return keys
 
 

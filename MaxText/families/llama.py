@@ -104,6 +104,9 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
       raise ConfigError(f"HF config {field} factor={factor} is not a YaRN scaling factor (>= 1)")
     factor = float(hf["max_position_embeddings"] / original if factor is None else factor)
     attention_factor = params.get("attention_factor")
+    if attention_factor is not None and not attention_factor > 0:  # transformers scales cos and sin by it as given
+      raise ConfigError(f"HF config {field} attention_factor={attention_factor} is not a YaRN attention factor (a "
+                        "positive number, or null for the one from factor)")
     # transformers' YaRN takes mscale / mscale_all_dim only as this ratio, and only when both are set
     # (DeepSeek's softmax correction from mscale_all_dim is its own, families/deepseek.py).
     if attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):

@@ -92,13 +92,17 @@ def _pattern(kinds: Sequence[str]) -> list[str]:
 
 
 def _moe_layers(hf: Mapping[str, Any]) -> list[int]:
-  layers, step = hf["num_hidden_layers"], int(hf.get("interleave_moe_layer_step") or 1)
+  layers, step = hf["num_hidden_layers"], _moe_step(hf)
   given = hf.get("moe_layers")
   return list(given) if given is not None else list(range(step - 1, layers, step))
 
 
+def _moe_step(hf: Mapping[str, Any]) -> int:
+  return r.count_hf(hf, "interleave_moe_layer_step", "a layer period", 1)
+
+
 def _no_rope_layers(hf: Mapping[str, Any]) -> list[int]:
-  interval = int(hf.get("no_rope_layer_interval") or 4)
+  interval = r.count_hf(hf, "no_rope_layer_interval", "a layer period", 4)
   return list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])])
 
 
@@ -113,14 +117,15 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   r.require_hf(hf, "attention_bias", (False,), False)
   r.require_hf(hf, "num_experts_per_tok", (1,), 1)
   layers = hf["num_hidden_layers"]
-  step = int(hf.get("interleave_moe_layer_step") or 1)
+  step = _moe_step(hf)
   if _moe_layers(hf) != list(range(step - 1, layers, step)) or layers % step:
     raise ConfigError(f"HF llama4_text moe_layers={hf.get('moe_layers')} with interleave_moe_layer_step={step} over "
                       f"{layers} layers is not supported: the MoE layers must be every {step}-th "
                       f"(layers {step - 1}, {2 * step - 1}, ...) and the layer count a multiple of {step}")
   uses_rope = _no_rope_layers(hf)[:layers]
-  chunk = hf.get("attention_chunk_size")
-  layer_types = hf.get("layer_types") or ["chunked_attention" if rope and chunk else "full_attention"
+  # transformers' default kinds chunk every RoPE layer unless attention_chunk_size is null (0 is a chunk size)
+  chunk = hf.get("attention_chunk_size", 8192)
+  layer_types = hf.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
                                           for rope in uses_rope]
   for kind in layer_types:
     if kind not in ("chunked_attention", "full_attention"):
@@ -137,9 +142,8 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   if step > 1:
     keys["dense_mlp_dim"] = int(hf["intermediate_size_mlp"])
   if "chunked" in attention:
-    if not chunk:
-      raise ConfigError("HF llama4_text layer_types has chunked_attention layers but no attention_chunk_size")
-    keys["attention_chunk_size"] = int(chunk)
+    keys["attention_chunk_size"] = r.count_hf(hf, "attention_chunk_size", "a chunk length for its "
+                                                 "chunked_attention layers", 8192)
   if hf.get("attn_temperature_tuning", True):
     keys.update(attn_temperature_floor_scale=float(hf.get("floor_scale", 8192)),
                 attn_temperature_scale=float(hf.get("attn_scale", 0.1)))

@@ -83,9 +83,9 @@ _MIXTRAL_DEFAULTS = {"sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta":
 
 def mixtral_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   hf = {**_MIXTRAL_DEFAULTS, **hf}
-  return {**mistral_model_keys(hf), "decoder_block": "mixtral",
-          "num_experts": r.routed_experts(hf, "num_local_experts"),
-          "num_experts_per_tok": int(hf["num_experts_per_tok"])}
+  num_experts = r.routed_experts(hf, "num_local_experts")
+  return {**mistral_model_keys(hf), "decoder_block": "mixtral", "num_experts": num_experts,
+          "num_experts_per_tok": r.experts_per_token(hf, num_experts)}
 
 
 def mixtral_hf_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -75,11 +75,11 @@ def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   num_layers = hf["num_hidden_layers"]
   layer_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                           for i in range(num_layers)]
-  window = hf.get("sliding_window")
-  pattern = r.attention_pattern([kind == "sliding_attention" and bool(window) for kind in layer_types])
+  local = [kind == "sliding_attention" for kind in layer_types]
+  window, pattern = r.sliding_window(hf, local), r.attention_pattern(local)
   keys.update(decoder_block="olmo3", attention_layer_pattern=pattern)
-  if "local" in pattern:
-    keys["sliding_window_size"] = int(window or 0)  # "local" only where a window is set
+  if window is not None:
+    keys["sliding_window_size"] = window
     local_theta = float(local_rope.get("rope_theta", keys["rope_max_timescale"]))
     if keys["rope_type"] != "default" or local_theta != keys["rope_max_timescale"]:
       keys["rope_local_max_timescale"] = local_theta

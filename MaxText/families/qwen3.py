@@ -64,9 +64,10 @@ def qwen3_moe_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   r.require_hf(hf, "decoder_sparse_step", (1,), 1)
   if hf.get("mlp_only_layers"):
     r.require_hf(hf, "mlp_only_layers", ([],))
-  return {**_common_keys(hf), "decoder_block": "qwen3_moe", "base_mlp_dim": int(hf["moe_intermediate_size"]),
-          "num_experts": r.routed_experts(hf, "num_experts", "num_local_experts"),
-          "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+  num_experts = r.routed_experts(hf, "num_experts", "num_local_experts")
+  return {**_common_keys(hf), "decoder_block": "qwen3_moe",
+          "base_mlp_dim": r.count_hf(hf, "moe_intermediate_size", "an expert width"), "num_experts": num_experts,
+          "num_experts_per_tok": r.experts_per_token(hf, num_experts),
           "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 

@@ -173,9 +173,11 @@ def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 
 def full_attention_interval(hf: Mapping[str, Any], converter: str = "qwen3_next") -> int:
   num_layers = hf["num_hidden_layers"]
-  interval = int(hf.get("full_attention_interval") or 4)
-  layer_types = list(hf.get("layer_types") or
-                     ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)])
+  layer_types, interval = hf.get("layer_types"), 4
+  if not layer_types:  # transformers reads the interval only to make the layer kinds
+    interval = r.count_hf(hf, "full_attention_interval", "a layer period", 4)
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+  layer_types = list(layer_types)
   if "full_attention" in layer_types:
     interval = layer_types.index("full_attention") + 1
   expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
@@ -195,10 +197,14 @@ def hybrid_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
   if rope_type != "default":
     raise ConfigError(f"HF config {field} rope_type={rope_type!r} is not supported by the {converter} converter "
                       "(supported: 'default')")
+  # transformers' default for these configs is a quarter, not the whole head
+  fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    raise ConfigError(f"HF config partial_rotary_factor={fraction!r} is not a fraction of each head to rotate (over 0, "
+                      "at most 1); use the checkpoint's own config.json")
   return {"decoder_block": converter, **shape_keys(hf),
           "rope_max_timescale": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-          # transformers' default for these configs is a quarter, not the whole head
-          "partial_rotary_factor": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+          "partial_rotary_factor": float(fraction),
           "mlp_activations": ["silu", "linear"], "normalization_type": "rms_plus_one", "use_qk_norm": True,
           "attention_output_gate": True, "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
           "full_attention_interval": full_attention_interval(hf, converter),
@@ -213,12 +219,16 @@ def moe_model_keys(hf: Mapping[str, Any], converter: str) -> dict[str, Any]:
   r.require_hf(hf, "decoder_sparse_step", (1,), 1)
   if hf.get("mlp_only_layers"):
     r.require_hf(hf, "mlp_only_layers", ([],))
-  moe_width, shared_width = int(hf["moe_intermediate_size"]), int(hf.get("shared_expert_intermediate_size") or 0)
+  moe_width = r.count_hf(hf, "moe_intermediate_size", "an expert width")
+  # transformers builds the gated shared expert at this width (0: one that adds nothing; null: none it can build)
+  shared_width = r.count_hf(hf, "shared_expert_intermediate_size", "a shared-expert width", 0, minimum=0)
   if shared_width % moe_width:
     raise ConfigError(f"HF config shared_expert_intermediate_size={shared_width} is not supported by the {converter} "
                       f"converter: it must be a multiple of moe_intermediate_size ({moe_width})")
-  return {"base_mlp_dim": moe_width, "num_experts": r.routed_experts(hf, "num_experts"),
-          "num_experts_per_tok": int(hf["num_experts_per_tok"]), "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+  num_experts = r.routed_experts(hf, "num_experts")
+  return {"base_mlp_dim": moe_width, "num_experts": num_experts,
+          "num_experts_per_tok": r.experts_per_token(hf, num_experts),
+          "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
           "shared_experts": shared_width // moe_width, "shared_expert_gate": shared_width > 0}
 
 

@@ -164,11 +164,47 @@ def routed_experts(hf_config: Mapping[str, Any], key: str, *aliases: str) -> int
   """An MoE config's routed-expert count. One expert is refused: our num_experts=1 is a dense MLP, which has
   no place for the checkpoint's router (its tensors would fail to stage, naming the wrong keys)."""
   count = int(hf_field(hf_config, key, *aliases)) if aliases else int(hf_config[key])
+  if count < 1:
+    raise ConfigError(f"HF config {key}={count} is not an expert count (a positive whole number); use the "
+                      "checkpoint's own config.json")
   if count < 2:
     raise ConfigError(f"HF config {key}={count} (a mixture of one expert) is not supported by the "
                       f"{hf_config.get('model_type')} converter: num_experts=1 is a dense MLP here, without the "
                       "checkpoint's router; convert a model with at least 2 experts")
   return count
+
+
+def count_hf(hf_config: Mapping[str, Any], key: str, what: str, default: Any = None, minimum: int = 1) -> int:
+  """A whole-number config field of at least `minimum` where it is read (a window, a rank, a width, a period):
+  transformers computes with a smaller one as given (a zero-width layer, every key masked, a division by zero),
+  and with null fails, so neither is read as "unset". Absent with no default: KeyError (the converter's line)."""
+  if key not in hf_config and default is None:
+    raise KeyError(key)
+  value = hf_config.get(key, default)
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer()
+      or value < minimum):
+    raise ConfigError(f"HF config {key}={value!r} is not {what} (a whole number of at least {minimum}); use the "
+                      "checkpoint's own config.json")
+  return int(value)
+
+
+def experts_per_token(hf_config: Mapping[str, Any], num_experts: int, key: str = "num_experts_per_tok") -> int:
+  """The routed experts each token takes: 1 .. num_experts (transformers' top-k of 0 drops every expert, of more
+  than there are fails)."""
+  top_k = count_hf(hf_config, key, "an expert count per token")
+  if top_k > num_experts:
+    raise ConfigError(f"HF config {key}={top_k} is more than the {num_experts} routed experts; use the checkpoint's "
+                      "own config.json")
+  return top_k
+
+
+def sliding_window(hf_config: Mapping[str, Any], layer_is_local: Sequence[bool], key: str = "sliding_window"
+                   ) -> int | None:
+  """The window of a config whose `layer_is_local` layers slide: a positive length where any does (transformers
+  masks every key under 0 or below and fails on null), unread (None) where none does."""
+  if not any(layer_is_local):
+    return None
+  return count_hf(hf_config, key, "a window for its sliding_attention layers")
 
 
 def hf_layer_types(pattern: Sequence[str], num_layers: int) -> list[str]:
