@@ -587,7 +587,9 @@ class DecodeConfig:
              f"decode_sampling_seed must be in [0, 2**32) (an unsigned 32-bit seed), got {v['decode_sampling_seed']}")
     _require(0 < v["decode_sampling_top_p"] <= 1,
              f"decode_sampling_top_p must be in (0, 1], got {v['decode_sampling_top_p']}")
-    _require(1 <= v["decode_sampling_top_k"] <= v["vocab_size"],
+    # Only topk reads it: its default (40) must not refuse a smaller vocabulary's training or other strategies.
+    top_k_bound = v["vocab_size"] if strategy == "topk" else float("inf")
+    _require(1 <= v["decode_sampling_top_k"] <= top_k_bound,
              f"decode_sampling_top_k must be between 1 and vocab_size={v['vocab_size']}, got {v['decode_sampling_top_k']}")
     ids = config_yaml.whole_numbers("prompt_token_ids", v["prompt_token_ids"], "5,17,42")
     config_yaml.split_items("image_path", v["image_path"])  # its empty item refused before a model loads

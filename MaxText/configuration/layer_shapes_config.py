@@ -52,6 +52,11 @@ class LayerShapesConfig:
     _require(0 <= values["num_kv_shared_layers"] < num_layers,
              f"num_kv_shared_layers must be in [0, num_decoder_layers ({num_layers})), got {values['num_kv_shared_layers']}")
     _require(values["global_head_dim"] % 2 == 0, f"global_head_dim must be even, got {values['global_head_dim']}")
+    # Every token id looks up a row: an id past the table read garbage (NaN losses from the first step).
+    rows = values["per_layer_input_vocab_size"]
+    _require(not values["per_layer_input_dim"] or rows == 0 or rows >= v["vocab_size"],
+             f"per_layer_input_vocab_size ({rows}) must be 0 or at least vocab_size ({v['vocab_size']}): every token "
+             "id looks up a row of the per-layer embedding table")
     record = cls(**values)
     if not record.active:
       return record

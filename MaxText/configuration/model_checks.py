@@ -348,7 +348,9 @@ def check_linear_attention(v: Mapping[str, Any]) -> None:
              f"full_attention_interval={interval} needs attention_type=gqa, moe_layer_interval=1, first_dense_layers=0 "
              f"and a layer count ({layers}) that is a multiple of it")
   fraction = v["partial_rotary_factor"]
-  _require(0 < fraction <= 1 and (v["attention_type"] == "mla" or (v["head_dim"] * fraction) % 2 == 0),
+  # Learned or sinusoidal positions rotate nothing: an odd head_dim is fine there (GPT-2's 20 features / 4 heads).
+  rotates = v["position_embedding"] == "rope" and v["attention_type"] != "mla"
+  _require(0 < fraction <= 1 and (not rotates or (v["head_dim"] * fraction) % 2 == 0),
            f"partial_rotary_factor must be in (0, 1] and rotate an even number of head_dim={v['head_dim']} "
            f"features, got {fraction}")
 
