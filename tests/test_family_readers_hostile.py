@@ -56,6 +56,13 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
                                          if k != "layer_types"}, "sliding_window_pattern=0"),
     "gemma4-vocab_size_per_layer_input-0": (_raw("gemma4", vocab_size_per_layer_input=0),
                                             "vocab_size_per_layer_input=0"),
+    # ... a per-layer table of fewer rows than the vocabulary (an id past it reads no row: NaN in our model, an
+    # index error in transformers); layers sharing keys and values null or negative (transformers subtracts it)
+    "gemma4-vocab_size_per_layer_input-under-vocab": (
+        _raw("gemma4", vocab_size_per_layer_input=_raw("gemma4")["vocab_size"] - 1),
+        f"vocab_size_per_layer_input={_raw('gemma4')['vocab_size'] - 1}"),
+    "gemma4-num_kv_shared_layers-null": (_raw("gemma4", num_kv_shared_layers=None), "num_kv_shared_layers=None"),
+    "gemma4-num_kv_shared_layers-negative": (_raw("gemma4", num_kv_shared_layers=-1), "num_kv_shared_layers=-1"),
     # YaRN's attention factor scales cos and sin as given
     "yarn-attention_factor-0": (_raw("llama2-tied", rope_parameters={**_YARN, "attention_factor": 0.0}),
                                 "rope_parameters attention_factor=0.0"),

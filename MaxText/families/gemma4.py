@@ -131,10 +131,13 @@ def gemma4_text_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
           "final_logits_soft_cap": soft_cap(hf, "final_logit_softcapping"),
           **_global_shape(hf, kinds, k_eq_v),
           "attention_k_eq_v": k_eq_v, "use_v_norm": True,
-          "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
+          "num_kv_shared_layers": r.count_hf(hf, "num_kv_shared_layers", "a layer count", 0, minimum=0),
           "kv_shared_double_mlp": bool(hf.get("use_double_wide_mlp", False)),
           "per_layer_input_dim": per_layer,
-          "per_layer_input_vocab_size": (r.count_hf(hf, "vocab_size_per_layer_input", "a vocabulary size", 262_144)
+          # Every token id looks up a row of it: fewer rows than the vocabulary leave ids without one.
+          "per_layer_input_vocab_size": (r.count_hf(hf, "vocab_size_per_layer_input",
+                                                    f"a vocabulary size of at least vocab_size={hf['vocab_size']}",
+                                                    262_144, minimum=max(int(hf["vocab_size"]), 1))
                                          if per_layer else 0)}
   if "local" in pattern:  # 512: transformers' default where absent
     keys["sliding_window_size"] = r.count_hf(hf, "sliding_window", "a window for its sliding_attention layers", 512)
