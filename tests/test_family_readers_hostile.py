@@ -61,6 +61,16 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "gemma4-vocab_size_per_layer_input-under-vocab": (
         _raw("gemma4", vocab_size_per_layer_input=_raw("gemma4")["vocab_size"] - 1),
         f"vocab_size_per_layer_input={_raw('gemma4')['vocab_size'] - 1}"),
+    # layer_types empty, short or of another kind: transformers keeps it as given and refuses it (was: [] read as
+    # absent, a short list's pattern repeated over the layers, an unknown kind read as full attention)
+    "gemma2-layer_types-empty": (_raw("gemma2", layer_types=[]), "layer_types=[]"),
+    "gemma3-layer_types-empty": (_raw("gemma3", layer_types=[]), "layer_types=[]"),
+    "gpt_oss-layer_types-short": (_raw("gpt_oss", layer_types=["sliding_attention"]), "layer_types=['sliding"),
+    "olmo3-layer_types-empty": (_raw("olmo3", layer_types=[]), "layer_types=[]"),
+    "llama4-layer_types-empty": (_raw("llama4", layer_types=[]), "layer_types=[]"),
+    "qwen3_next-layer_types-empty": (_raw("qwen3_next", layer_types=[]), "layer_types=[]"),
+    "gemma2-layer_types-other-kind": (_raw("gemma2", layer_types=["linear_attention"] * _raw("gemma2")[
+        "num_hidden_layers"]), "layer_types=['linear"),
     "gemma4-num_kv_shared_layers-null": (_raw("gemma4", num_kv_shared_layers=None), "num_kv_shared_layers=None"),
     "gemma4-num_kv_shared_layers-negative": (_raw("gemma4", num_kv_shared_layers=-1), "num_kv_shared_layers=-1"),
     # YaRN's attention factor scales cos and sin as given

@@ -74,8 +74,9 @@ def gemma2_model_keys(hf: Mapping[str, Any], defaults: Mapping[str, Any] = _GEMM
   hf = {**defaults, **hf}
   keys = gemma_model_keys(hf)
   num_layers = hf["num_hidden_layers"]
-  layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(num_layers)]
+  layer_types = r.given_layer_types(hf, ("sliding_attention", "full_attention"),
+                                    lambda: ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(num_layers)])
   local = [kind == "sliding_attention" for kind in layer_types]
   window = r.sliding_window(hf, local)
   keys.update(decoder_block="gemma2", attention_layer_pattern=r.attention_pattern(local),
@@ -130,7 +131,7 @@ def gemma3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   r.require_hf(hf, "use_bidirectional_attention", (None, False), None)
   hf = {**_GEMMA3_DEFAULTS, **hf}
   global_rope, local_rope = layer_type_ropes(hf, 1_000_000.0, hf.get("rope_local_base_freq", 10_000.0))
-  if not hf.get("layer_types"):  # older config.json files: every sliding_window_pattern-th layer global, as HF reads them
+  if hf.get("layer_types") is None:  # older config.json files: every sliding_window_pattern-th layer global, as HF reads them
     period = r.count_hf(hf, "sliding_window_pattern", "a layer period", 6)
     hf = {**hf, "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
                                 for i in range(hf["num_hidden_layers"])]}

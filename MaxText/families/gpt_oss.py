@@ -105,8 +105,9 @@ def gpt_oss_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
                       "MXFP4 experts (quant_method 'mxfp4') or bfloat16 weights can be read: dequantise it first")
   r.require_hf(hf, "attention_bias", (True,), True)
   num_layers = hf["num_hidden_layers"]
-  layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(num_layers)]
+  layer_types = r.given_layer_types(hf, ("sliding_attention", "full_attention"),
+                                    lambda: ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(num_layers)])
   local = [kind == "sliding_attention" for kind in layer_types]
   window, pattern = r.sliding_window(hf, local), r.attention_pattern(local)
   num_experts = r.routed_experts(hf, "num_local_experts", "num_experts")

@@ -125,8 +125,9 @@ def llama4_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   uses_rope = _no_rope_layers(hf)[:layers]
   # transformers' default kinds chunk every RoPE layer unless attention_chunk_size is null (0 is a chunk size)
   chunk = hf.get("attention_chunk_size", 8192)
-  layer_types = hf.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
-                                          for rope in uses_rope]
+  layer_types = r.given_layer_types(hf, ("chunked_attention", "full_attention"),
+                                    lambda: ["chunked_attention" if rope and chunk is not None else "full_attention"
+                                             for rope in uses_rope])
   for kind in layer_types:
     if kind not in ("chunked_attention", "full_attention"):
       raise ConfigError(f"HF llama4_text layer_types entry {kind!r} is not supported "

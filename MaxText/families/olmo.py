@@ -73,8 +73,9 @@ def olmo3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
   keys = olmo2_model_keys({**hf, "rope_parameters": global_rope, "rope_scaling": None,
                            "original_max_position_embeddings": None})
   num_layers = hf["num_hidden_layers"]
-  layer_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
-                                          for i in range(num_layers)]
+  layer_types = r.given_layer_types(hf, ("sliding_attention", "full_attention"),
+                                    lambda: ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                             for i in range(num_layers)])
   local = [kind == "sliding_attention" for kind in layer_types]
   window, pattern = r.sliding_window(hf, local), r.attention_pattern(local)
   keys.update(decoder_block="olmo3", attention_layer_pattern=pattern)

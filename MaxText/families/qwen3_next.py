@@ -173,11 +173,11 @@ def qwen3_next_tensors(cfg: ModelConfig) -> list[r.TensorMap]:
 
 def full_attention_interval(hf: Mapping[str, Any], converter: str = "qwen3_next") -> int:
   num_layers = hf["num_hidden_layers"]
-  layer_types, interval = hf.get("layer_types"), 4
-  if not layer_types:  # transformers reads the interval only to make the layer kinds
-    interval = r.count_hf(hf, "full_attention_interval", "a layer period", 4)
-    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-  layer_types = list(layer_types)
+  def from_interval() -> list[str]:  # transformers reads the interval only to make the layer kinds
+    period = r.count_hf(hf, "full_attention_interval", "a layer period", 4)
+    return ["full_attention" if (i + 1) % period == 0 else "linear_attention" for i in range(num_layers)]
+
+  layer_types, interval = r.given_layer_types(hf, ("full_attention", "linear_attention"), from_interval), 4
   if "full_attention" in layer_types:
     interval = layer_types.index("full_attention") + 1
   expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]

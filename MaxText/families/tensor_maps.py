@@ -207,6 +207,20 @@ def sliding_window(hf_config: Mapping[str, Any], layer_is_local: Sequence[bool],
   return count_hf(hf_config, key, "a window for its sliding_attention layers")
 
 
+def given_layer_types(hf_config: Mapping[str, Any], kinds: Sequence[str], default: Callable[[], list[str]]
+                      ) -> list[str]:
+  """config.json's `layer_types`, one of `kinds` per layer; `default()` only where it is absent or null (transformers
+  keeps an empty or short list as given and refuses it, while the pattern read from it would repeat its layers)."""
+  given = hf_config.get("layer_types")
+  if given is None:
+    return default()
+  num_layers = hf_config["num_hidden_layers"]
+  if not isinstance(given, list) or len(given) != num_layers or not all(kind in kinds for kind in given):
+    raise ConfigError(f"HF config layer_types={str(given)[:80]} is not a list of num_hidden_layers={num_layers} "
+                      f"entries, each one of {', '.join(kinds)}; use the checkpoint's own config.json")
+  return list(given)
+
+
 def hf_layer_types(pattern: Sequence[str], num_layers: int) -> list[str]:
   """HF's per-layer `layer_types` for a local/global attention_layer_pattern (its inverse: below)."""
   return ["sliding_attention" if pattern[i % len(pattern)] == "local" else "full_attention" for i in range(num_layers)]
