@@ -71,6 +71,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3_next-layer_types-empty": (_raw("qwen3_next", layer_types=[]), "layer_types=[]"),
     "gemma2-layer_types-other-kind": (_raw("gemma2", layer_types=["linear_attention"] * _raw("gemma2")[
         "num_hidden_layers"]), "layer_types=['linear"),
+    "gemma4-num_global_key_value_heads-0": (_raw("gemma4", attention_k_eq_v=True, num_global_key_value_heads=0),
+                                            "num_global_key_value_heads=0"),
     "gemma4-num_kv_shared_layers-null": (_raw("gemma4", num_kv_shared_layers=None), "num_kv_shared_layers=None"),
     "gemma4-num_kv_shared_layers-negative": (_raw("gemma4", num_kv_shared_layers=-1), "num_kv_shared_layers=-1"),
     # YaRN's attention factor scales cos and sin as given

@@ -97,7 +97,9 @@ def _global_shape(hf: Mapping[str, Any], kinds: list[str], k_eq_v: bool) -> dict
   per_layer = hf.get("per_layer_config")
   if per_layer is None:
     return {"global_head_dim": int(hf.get("global_head_dim", 512)),
-            "global_num_kv_heads": int((hf.get("num_global_key_value_heads") or 0) if k_eq_v else 0)}
+            # null: no override of the global layers' kv heads; a 0 would be zero heads in transformers
+            "global_num_kv_heads": (r.count_hf(hf, "num_global_key_value_heads", "a head count")
+                                    if k_eq_v and hf.get("num_global_key_value_heads") is not None else 0)}
   overrides = {int(index): dict(fields) for index, fields in per_layer.items()}
   full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
   shapes = {tuple(sorted(overrides.get(i, {}).items())) for i in full}
