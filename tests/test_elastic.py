@@ -382,7 +382,9 @@ def test_below_the_minimum_the_run_stops_with_one_line(tmp_path):
 # --------------------------------------------------------------- real processes on 127.0.0.1
 # Enough steps that the shrunk job is still training when the slice returns (a fast CI machine ran
 # a 12-step job to its end between the return and the supervisor's stop).
-_LOOPBACK_STEPS = 18
+# Enough steps that the shrunk job cannot reach the last one (a persistent step) in the moment between its
+# first new step and the test pausing it: on CI, at 18, it did, and the grow-back restored the persistent copy.
+_LOOPBACK_STEPS = 40
 _LOOPBACK_MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16",
                    "max_target_length=32", "print_config=False", "cpu_peak_tflops=0.1", f"learning_rate_schedule_steps={_LOOPBACK_STEPS}",
                    "checkpoint_period=2", "async_checkpointing=False", "distributed_heartbeat_timeout_seconds=10",
@@ -403,11 +405,11 @@ def _events(run_dir) -> list[str]:
   return path.read_text().splitlines() if path.exists() else []
 
 
-def _wait_for(condition, what: str, timeout: float = 900) -> None:
+def _wait_for(condition, what: str, timeout: float = 900, poll_s: float = 0.5) -> None:
   deadline = time.monotonic() + timeout
   while not condition():
     assert time.monotonic() < deadline, f"timed out waiting for {what}"
-    time.sleep(0.5)
+    time.sleep(poll_s)
 
 
 def _child_with(pid: int, variable: str) -> int:
@@ -449,7 +451,7 @@ def shrink_and_grow_back(command: list[str], tmp_path: Path, env: dict[str, str]
   try:
     _wait_for(lambda: max(_logged(run_dir), default=0) >= 4, "step 4 on 4 slices")
     os.kill(_child_with(cli.pid, f"JAX_PROCESS_ID={victim}"), signal.SIGKILL)
-    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices")
+    _wait_for(lambda: any("seconds_to_resume" in line for line in _events(run_dir)), "a step on 2 slices", poll_s=0.02)
     # The shrunk job is paused until the supervisor has decided to grow back: on a loaded machine it
     # could otherwise finish its last steps first, and the grow-back would then meet a finished run.
     shrunk = _children(cli.pid)
