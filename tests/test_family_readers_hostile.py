@@ -91,6 +91,11 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "deepseek3-topk_group-over-n_group": (_raw("deepseek3", topk_group=5), "topk_group=5"),
     "deepseek3-n_group-not-dividing": (_raw("deepseek3", n_group=3, topk_group=1), "n_group=3"),
     "deepseek2-n_group-0": (_raw("deepseek2-grouped", n_group=0), "n_group=0"),
+    # ... absent: DeepseekV2Config's default is null, which group_limited_greedy cannot split by (was read as 1 group)
+    "deepseek2-n_group-absent": ({k: v for k, v in _raw("deepseek2-grouped").items() if k != "n_group"},
+                                 "n_group=None (absent)"),
+    "deepseek2-topk_group-absent": ({k: v for k, v in _raw("deepseek2-grouped").items() if k != "topk_group"},
+                                    "topk_group=None (absent)"),
     # ... its dense prefix (null fails in transformers), its shared expert count and widths
     "deepseek3-first_k_dense_replace-null": (_raw("deepseek3", first_k_dense_replace=None),
                                              "first_k_dense_replace=None"),

@@ -213,9 +213,14 @@ def deepseek3_model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def _expert_groups(hf: Mapping[str, Any]) -> tuple[int, int]:
   """n_group, topk_group: transformers splits the routed experts into n_group groups and keeps the best
-  topk_group (a 0 or null there is a division by zero, an empty or failed top-k: no model)."""
-  groups = r.count_hf(hf, "n_group", "an expert group count", 1)
-  topk_groups = r.count_hf(hf, "topk_group", "a count of expert groups per token", groups)
+  topk_group (a 0 or null there is a division by zero, an empty or failed top-k: no model). DeepseekV2Config
+  takes an absent one as null, so V2's group_limited_greedy needs both written (V3's defaults fill them in)."""
+  for key in ("n_group", "topk_group"):
+    if key not in hf:
+      raise ConfigError(f"HF config {key}=None (absent) with topk_method={hf.get('topk_method')!r}: transformers "
+                        "cannot split the experts into groups without it; use the checkpoint's own config.json")
+  groups = r.count_hf(hf, "n_group", "an expert group count")
+  topk_groups = r.count_hf(hf, "topk_group", "a count of expert groups per token")
   experts = hf.get("n_routed_experts")
   if isinstance(experts, int) and experts % groups:
     raise ConfigError(f"HF config n_group={groups} does not divide n_routed_experts={experts} into equal groups")
