@@ -4,6 +4,7 @@ docs give, or is one error line at config time that names the key and what to se
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,15 @@ def test_a_number_that_is_0_on_the_device_is_one_line(key, value, message):
   """Each passed `> 0` and was 0 in float32: every update (or every clipped gradient) 0, a run that trained nothing."""
   with pytest.raises(ConfigError, match=message):
     Config.for_testing(opt_type="muon", **{key: value})
+
+
+@pytest.mark.parametrize("value", ["inf", "1e39"])
+def test_an_infinite_clipping_threshold_is_one_line(value):
+  """inf (1e39 is inf in float32) passed `>= tiny` and clipped nothing, as 0 does, while a run stopped by a
+  non-finite step was told clipping was already on."""
+  with pytest.raises(ConfigError, match=rf"^gradient_clipping_threshold={re.escape(str(float(value)))} is not a finite float32 "
+                                        r"number and would clip nothing; set 0 to turn clipping off"):
+    Config.for_testing(gradient_clipping_threshold=value)
 
 
 @pytest.mark.parametrize("k", [64, 1024])

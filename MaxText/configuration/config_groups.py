@@ -291,6 +291,10 @@ class OptimConfig:
     clip = v["gradient_clipping_threshold"]
     _require(clip == 0 or clip >= FLOAT32_TINY, f"gradient_clipping_threshold must be 0 (off) or a float32 number "
              f">= {FLOAT32_TINY:.3g} (a smaller one is 0 on the device and clips every gradient to 0), got {clip}")
+    # inf (or past float32's range, inf on the device) clipped nothing, as 0 does, while the stop at a non-finite
+    # step said clipping was on and offered no remedy.
+    _require(clip <= FLOAT32_MAX, f"gradient_clipping_threshold={clip} is not a finite float32 number and would "
+             "clip nothing; set 0 to turn clipping off, or a finite threshold such as 1.0")
     # inf passed `> 0`: the first step's log-ratio difference is 0 (the policy starts as the reference), inf * 0 = NaN.
     _require(0 < v["dpo_beta"] <= FLOAT32_MAX, f"dpo_beta must be a finite float32 number > 0, got {v['dpo_beta']}")
     _require(0.0 <= v["dpo_label_smoothing"] < 0.5, f"dpo_label_smoothing (the probability a preference label is "

@@ -51,6 +51,7 @@ DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequen
 _INT8_MAX = 127.0
 _E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 _E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)  # 57344
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # float32's smallest normal number
 
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("maxtext_quantization", default="")
 
@@ -80,12 +81,19 @@ def _float_dot(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
   return jax.lax.dot_general(lhs, rhs, dims)
 
 
+def _scale(amax: jax.Array, qmax: float) -> jax.Array:
+  """amax / qmax, 1 for an all-zero block, and at least float32's smallest normal: for a block of tiny
+  values (amax below about 1e-35) amax / qmax is subnormal, which XLA flushes to 0, and the block's
+  zeros became 0 / 0 = NaN in the forward (and in the backward, from a tiny gradient)."""
+  return jnp.where(amax > 0, jnp.maximum(amax / qmax, _F32_TINY), 1.0)
+
+
 # ---------------------------------------------------------------------------------- int8
 def quantize_int8(x: jax.Array, contract_axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
   """Symmetric absmax int8 over `contract_axes`: q in [-127, 127], scale (float32, keepdims)."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32), axis=tuple(contract_axes), keepdims=True)
-  scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+  scale = _scale(amax, _INT8_MAX)
   q = jnp.clip(jnp.round(x32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
   return q, scale
 
@@ -125,7 +133,7 @@ def quantize_fp8(x: jax.Array, dtype: jnp.dtype, fp8_max: float) -> tuple[jax.Ar
   """Per-tensor current scaling: x / scale with scale = amax / fp8_max, saturated, cast to fp8."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32))
-  scale = jnp.where(amax > 0, amax / fp8_max, 1.0)
+  scale = _scale(amax, fp8_max)
   return jnp.clip(x32 / scale, -fp8_max, fp8_max).astype(dtype), scale
 
 

@@ -123,6 +123,24 @@ def test_fp8_forward_and_backward_match_numpy_reference():
     assert np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want) < 0.12
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("tiny", [1e-36, 1e-37])
+def test_tiny_operands_and_gradients_stay_finite(mode, tiny):
+  """A tensor (or a row) whose largest value is tiny but not 0: fp8's amax / 448 (57344 for the gradient) was
+  subnormal, flushed to 0 by XLA, and its zeros became 0 / 0 = NaN, so a NaN loss and NaN gradients came out
+  of finite inputs. int8's scale (amax / 127) was 0 too; its NaNs happened to cast to 0 on CPU."""
+  x = jnp.array([[tiny, 0.0, 0.0, tiny], [0.0, tiny, 0.0, 0.0]], jnp.float32)
+  w = jnp.array([[1.0, 0.0], [0.0, -1.0], [0.5, 0.5], [0.0, 2.0]], jnp.float32)
+  f = jax.jit(lambda a, b: quantization.quantized_dot_general(mode, a, b, DIMS_2D))
+  y, vjp = jax.vjp(f, x, w)
+  dx, dw = vjp(jnp.full((2, 2), tiny, jnp.float32))
+  for got in (y, dx, dw):
+    assert np.isfinite(np.asarray(got)).all(), got
+  # Products of two scales this small are below float32's normals, flushed to 0 as the device flushes them:
+  # the values come out 0 (or close), never large.
+  np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), atol=3 * tiny)
+
+
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dims", [
     ((2, 6, 8), (8, 5), (((2,), (0,)), ((), ()))),            # a projection: [batch, seq, embed] x [embed, out]
     ((2, 6, 4, 3), (4, 3, 5), (((2, 3), (0, 1)), ((), ()))),   # heads and head_dim contracted (an output projection)
