@@ -36,6 +36,10 @@ from MaxText.inference import openai_api as api
 
 _LENGTH_BYTES = 4
 _LOAD_SECONDS = 10.0  # the most /health and /metrics wait for the engine's figures
+# A front end told to stop (SIGTERM from the engine's process) lets its open requests run this long, then ends
+# each with an error event (a stream's [DONE] after it), well before the engine's process kills it
+# (serve_processes._STOP_SECONDS): a stream was cut mid-answer, an "incomplete chunked read" for its client.
+DRAIN_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +168,7 @@ class FrontendServer(serve_app.HttpServer):
     self.engine_gone = asyncio.Event()
     self._admin: RemoteAdmin | None = None
     self._observed: list[serve_metrics.Observation] = []  # this loop turn's, not sent yet
+    self.stopping = False  # end_open ran: the process is stopping, new requests get a 503
 
   def share_metrics(self) -> None:
     """Sends this front end's request counts and latencies to the engine's process, which passes them
@@ -203,7 +208,7 @@ class FrontendServer(serve_app.HttpServer):
 
   async def admit(self, request: api.Request, score_prompt: bool
                   ) -> tuple[Sequence[job_events.JobHandle], asyncio.Queue[list[job_events.Event]]]:
-    if self.engine_gone.is_set():
+    if self.engine_gone.is_set() or self.stopping:
       raise api.ApiError(503, "the server is stopping", code="engine_gone")
     adapter = None if self._admin is None else serve_app.adapter_of(request, self.limits, score_prompt)
     request_id, self._next_id = self._next_id, self._next_id + 1
@@ -249,6 +254,8 @@ class FrontendServer(serve_app.HttpServer):
         self._loading = None
       raise api.ApiError(503, f"the engine's process did not answer for its load figures within {_LOAD_SECONDS} s",
                          code="engine_busy") from None
+    if self.engine_gone.is_set():  # the question was ended by the engine's going, not answered: no figures
+      raise api.ApiError(503, "the server is stopping", code="engine_gone")
 
   async def read(self, reader: asyncio.StreamReader) -> None:
     """Delivers the engine's messages until its end of file: each message's events go to each
@@ -298,20 +305,25 @@ class FrontendServer(serve_app.HttpServer):
   def _engine_gone(self) -> None:
     """Every request still open ends with an error; new ones get 503 while uvicorn stops."""
     self.engine_gone.set()
-    for pending in self._requests.values():
-      if not pending.admitted.done():
-        pending.admitted.set_result(("gone", "the engine's process is gone"))
-      open_jobs = [job for job in pending.jobs if not job.finished]
-      for job in open_jobs:
-        job.finished = True
-      pending.queue.put_nowait([job_events.Done(job.index, "error", "the engine's process is gone")
-                                for job in open_jobs])
-    self._requests.clear()
+    self.end_open("the engine's process is gone")
     if self._admin is not None:
       self._admin.engine_gone()
     if self._loading is not None:
       self._loading.set_result(None)
       self._loading = None
+
+  def end_open(self, message: str) -> None:
+    """Every request still open ends with an error (`message`: a stream's error event, then [DONE]), its
+    unfinished jobs cancelled in the engine's process (while it is there); later ones get a 503."""
+    self.stopping = True
+    for pending in self._requests.values():
+      if not pending.admitted.done():
+        pending.admitted.set_result(("gone", message))
+      open_jobs = [job for job in pending.jobs if not job.finished]
+      for job in open_jobs:
+        job.cancel()  # marks it finished; nothing is sent once the engine's process is gone
+      pending.queue.put_nowait([job_events.Done(job.index, "error", message) for job in open_jobs])
+    self._requests.clear()
 
   async def connect(self, channel: socket.socket) -> asyncio.StreamReader:
     reader, self._writer = await asyncio.open_unix_connection(sock=channel)
@@ -353,9 +365,16 @@ def main(argv: list[str]) -> int:
         uv.should_exit = True
         asyncio.get_running_loop().call_later(3.0, lambda: setattr(uv, "force_exit", True))
 
-    following = asyncio.create_task(follow_engine())
+    async def drain() -> None:  # SIGTERM: open requests get DRAIN_SECONDS, then end with an error, not a cut
+      while not uv.should_exit:
+        await asyncio.sleep(0.1)
+      await asyncio.sleep(DRAIN_SECONDS)
+      server.end_open("the server is stopping")
+
+    following, draining = asyncio.create_task(follow_engine()), asyncio.create_task(drain())
     await uv.serve(sockets=[socket.socket(fileno=listen_fd)])
     following.cancel()
+    draining.cancel()
 
   with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
     runner.run(serve())

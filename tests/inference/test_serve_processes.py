@@ -681,3 +681,62 @@ def test_lora_adapters_through_two_front_ends_answer_as_the_one_process_server(e
     for pid in (first, second):
       os.kill(pid, signal.SIGCONT)
     assert server.stop() == 0
+
+
+def test_load_figures_asked_when_the_engine_goes_are_a_503_not_the_last_figures():
+  """/health and /metrics of a front end whose engine's process goes while they wait for its figures: a 503
+  engine_gone. Before, the question was ended as if answered and /health said "ok" with the last figures (a load
+  balancer kept sending requests to a server that was gone)."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  server = serve_frontend.FrontendServer(types.SimpleNamespace(limits=None, request_timeout_seconds=10),
+                                         types.SimpleNamespace())
+
+  async def ask() -> api.ApiError:
+    reader = await server.connect(ours)
+    following = asyncio.create_task(server.read(reader))
+    asking = asyncio.create_task(server.refresh())
+    await asyncio.sleep(0.1)
+    assert serve_frontend.read_frame(theirs) == ("load",)
+    theirs.close()
+    with pytest.raises(api.ApiError) as e:
+      await asyncio.wait_for(asking, 5)
+    await following
+    return e.value
+
+  error = asyncio.run(ask())
+  assert error.status == 503 and error.body()["error"]["code"] == "engine_gone", error.body()
+
+
+@pytest.mark.slow  # a server with room for a long stream
+def test_sigterm_ends_an_open_stream_with_an_error_event_and_done(endless_tokenizer):
+  """SIGTERM to the engine's process while a stream is open: the front end lets it run serve_frontend.DRAIN_SECONDS,
+  then ends it with an error event and [DONE] (its job cancelled), and every process exits with 0. Before, the front
+  end waited until the engine's process killed it 10 s after the signal: the client's stream was cut mid-answer
+  ("incomplete chunked read")."""
+  server = CliServer(endless_tokenizer, 1, max_target_length=32768, max_prefill_predict_length=32,
+                     serve_max_tokens=32000, serve_max_slots=1)
+  try:
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 32000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as stream:
+      lines = stream.iter_lines()
+      assert next(lines).startswith("data: ")
+      front_ends = server.front_ends()
+      server.process.send_signal(signal.SIGTERM)
+      tail = [line for line in lines if line][-2:]  # RemoteProtocolError before: the stream was cut
+    assert tail[-1] == "data: [DONE]", tail
+    error = json.loads(tail[0][len("data: "):])["error"]
+    assert error["code"] == "generation_failed" and "the server is stopping" in error["message"], error
+    assert server.process.wait(60) == 0
+    for pid in front_ends:
+      assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
+  finally:
+    if server.process.poll() is None:
+      server.process.kill()
