@@ -380,10 +380,8 @@ def test_below_the_minimum_the_run_stops_with_one_line(tmp_path):
 
 
 # --------------------------------------------------------------- real processes on 127.0.0.1
-# Enough steps that the shrunk job is still training when the slice returns (a fast CI machine ran
-# a 12-step job to its end between the return and the supervisor's stop).
-# Enough steps that the shrunk job cannot reach the last one (a persistent step) in the moment between its
-# first new step and the test pausing it: on CI, at 18, it did, and the grow-back restored the persistent copy.
+# Enough steps that the shrunk job is still training, short of the last (a persistent) step, when the
+# slice returns: CI ran a 12-step job to its end, and an 18-step one to its last step before the pause.
 _LOOPBACK_STEPS = 40
 _LOOPBACK_MODEL = ["base_emb_dim=64", "base_num_decoder_layers=1", "base_mlp_dim=128", "head_dim=16",
                    "max_target_length=32", "print_config=False", "cpu_peak_tflops=0.1", f"learning_rate_schedule_steps={_LOOPBACK_STEPS}",

@@ -81,11 +81,11 @@ def _float_dot(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
   return jax.lax.dot_general(lhs, rhs, dims)
 
 
-def _scale(amax: jax.Array, qmax: float) -> jax.Array:
-  """amax / qmax, 1 for an all-zero block, and at least float32's smallest normal: for a block of tiny
-  values (amax below about 1e-35) amax / qmax is subnormal, which XLA flushes to 0, and the block's
-  zeros became 0 / 0 = NaN in the forward (and in the backward, from a tiny gradient)."""
-  return jnp.where(amax > 0, jnp.maximum(amax / qmax, _F32_TINY), 1.0)
+def amax_scale(amax: jax.Array, qmax: float) -> jax.Array:
+  """amax / qmax, at least float32's smallest normal: for a block of tiny values (or of zeros) amax / qmax is
+  subnormal or 0, which XLA flushes to 0, and the block's zeros became 0 / 0 = NaN (in the forward, in the
+  backward from a tiny gradient, and in stored weights)."""
+  return jnp.maximum(amax / qmax, _F32_TINY)
 
 
 # ---------------------------------------------------------------------------------- int8
@@ -93,7 +93,7 @@ def quantize_int8(x: jax.Array, contract_axes: Sequence[int]) -> tuple[jax.Array
   """Symmetric absmax int8 over `contract_axes`: q in [-127, 127], scale (float32, keepdims)."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32), axis=tuple(contract_axes), keepdims=True)
-  scale = _scale(amax, _INT8_MAX)
+  scale = amax_scale(amax, _INT8_MAX)
   q = jnp.clip(jnp.round(x32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
   return q, scale
 
@@ -133,7 +133,7 @@ def quantize_fp8(x: jax.Array, dtype: jnp.dtype, fp8_max: float) -> tuple[jax.Ar
   """Per-tensor current scaling: x / scale with scale = amax / fp8_max, saturated, cast to fp8."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32))
-  scale = _scale(amax, fp8_max)
+  scale = amax_scale(amax, fp8_max)
   return jnp.clip(x32 / scale, -fp8_max, fp8_max).astype(dtype), scale
 
 

@@ -127,9 +127,7 @@ def quantize_weight(kernel: jax.Array, mode: str, contract_axes: Sequence[int], 
   blocked = x32.reshape(blocked_shape)
   amax = jnp.max(jnp.abs(blocked), axis=tuple(reduce_axes), keepdims=True)
   limit = INT8_MAX if mode == "int8" else E4M3_MAX
-  # At least the smallest normal float32: for a block of tiny weights amax / limit is subnormal, which
-  # CPUs and TPUs flush to 0, and 0 / 0 made NaN values (fp8 kept them).
-  scale = jnp.maximum(amax / limit, jnp.finfo(jnp.float32).tiny)
+  scale = quantization.amax_scale(amax, limit)
   # A NaN or inf weight makes its block's scale NaN, as the float matmul's result would be, never a finite
   # scale hiding it (int8 turned such a channel to zeros). Said explicitly: whether max keeps a NaN is
   # the backend's choice (XLA:CPU's fused reduction drops it).
