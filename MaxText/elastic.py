@@ -13,9 +13,9 @@ when it has one, and exits) and relaunches on all slices. Processes that all sto
 not send (a preemption's) are relaunched on the slices up. Every resize is one line and one record
 of `<run_dir>/elastic.jsonl`: cause, slices before and after, the step reached, the step resumed from, seconds to resume.
 
-Launchers (platform/elastic_launchers.py): `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by jax.distributed, each slice
-a group of processes; a slice is "down" while its marker file exists) and `TpuVmLauncher`
-(multihost_runner's slices over ssh; a slice is up while its TPU is READY; with `version=` the
+Launchers: platform/loopback_launch.py's `LoopbackLauncher` (CPU processes on 127.0.0.1 joined by
+jax.distributed, each slice a group of processes; a slice is "down" while its marker file exists),
+multihost_runner's `TpuVmLauncher` (its slices over ssh; a slice is up while its TPU is READY; with `version=` the
 slices come from queued resources, platform/queued_slices.py) and platform/gke_launch.py's
 `GkeLauncher` (a JobSet per generation on a GKE cluster's node pools). See
 getting_started/Fault_tolerance.md, "Elastic training". The command line (`main`) takes the run's
@@ -54,7 +54,7 @@ from MaxText.errors import UserError, run_cli
 from MaxText.paths import storage
 from MaxText.platform import accelerators, gke_launch, tpu_launch
 from MaxText.platform.accelerators import DeviceTarget
-from MaxText.platform.elastic_launchers import LoopbackLauncher, TpuVmLauncher, loopback_env
+from MaxText.platform.loopback_launch import LoopbackLauncher, loopback_env
 from MaxText.platform.run_progress import MetricsReader, checkpoint_step
 from MaxText.platform.generations import PEER_FAILURES, SIGTERM_EXIT, Generation, Launcher
 from MaxText.platform.queued_slices import QueuedResourceEnded, QueuedResourceLauncher, QueuedSlices
@@ -452,8 +452,8 @@ def main(argv: list[str]) -> int:
     gcloud = Gcloud(args.project or None, args.zone or None, dry_run=False)
     names = tpu_launch.slice_names(args.tpu_prefix, num_slices)
     script_dir = Path(args.script_dir or os.getcwd())
-    launcher = TpuVmLauncher(gcloud, names, tpu_launch.quote(train), run_name, log_dir, args.internal_ip,
-                             args.megascale_port)
+    launcher = multihost_runner.TpuVmLauncher(gcloud, names, tpu_launch.quote(train), run_name, log_dir,
+                                              args.internal_ip, args.megascale_port)
     if args.version:
       queued = QueuedSlices(gcloud, args.tpu_prefix, num_slices, args.tpu_type, args.version,
                             shlex.split(args.cqr_extra_args), lambda name: multihost_runner.copy_code(

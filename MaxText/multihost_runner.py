@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator, Mapping, Sequence
 
 if __package__ in (None, ""):  # `python3 MaxText/multihost_runner.py`: import the package, not sibling files.
   sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -39,6 +39,8 @@ from MaxText import startup
 from MaxText.platform import tpu_launch
 from MaxText.configuration import tool_args
 from MaxText.errors import UserError, run_cli
+from MaxText.platform.generations import LOST_EXIT, Exit, logged_generations
+from MaxText.platform.run_progress import ResumedLine
 from MaxText.platform.tpu_launch import Gcloud, log_to_stderr
 
 PID_FILE = ".multihost_runner.pid"
@@ -312,6 +314,124 @@ def summarize(codes: list[tuple[str, int]], log_dir: Path) -> int:
   listing = ", ".join(f"{label} (exit {code})" for label, code in failed)
   log_to_stderr(f"multihost_runner: {len(failed)} of {len(codes)} worker(s) failed: {listing}; logs in {log_dir}")
   return failed[0][1]
+
+
+# ------------------------------------------------------- elastic training's launcher (MaxText/elastic.py)
+class _SshGeneration:
+  """The command on every worker of the chosen slices, one local `gcloud ... ssh` each."""
+
+  def __init__(self, hosts: list[HostProcess], slice_of: dict[str, int], signal_commands:
+               Callable[[int], list[list[str]]]):
+    self.hosts, self.slice_of, self.signal_commands = hosts, slice_of, signal_commands
+    self._resumed = ResumedLine(hosts[0].log_path) if hosts else None
+
+  def exits(self) -> list[Exit]:
+    ended = [(i, h, code) for i, h in enumerate(self.hosts) if (code := h.proc.poll()) is not None]
+    for _, host, _ in ended:
+      host.close()
+    return [Exit(self.slice_of[h.worker.slice_name], i, code) for i, h, code in ended]
+
+  def running(self) -> int:
+    return sum(h.proc.poll() is None for h in self.hosts)
+
+  def signal_all(self, signum: int) -> None:
+    try:
+      run_parallel(self.signal_commands(signum), f"sending signal {signum} to the workers")
+    except UserError as e:
+      print(f"warning: {e}", file=sys.stderr, flush=True)
+    if signum == signal.SIGKILL:  # the remote groups are gone: end the local ssh processes too
+      for host in self.hosts:
+        if host.proc.poll() is None:
+          os.killpg(host.proc.pid, signal.SIGKILL)
+
+  def resumed_from(self) -> tuple[int, str] | None:
+    return self._resumed.read() if self._resumed is not None else None
+
+
+class _Unstarted:
+  """A generation not started because slices were lost between the supervisor's look and the start: each
+  reads as a process lost with its host, so the supervisor goes on on the slices still up (or stops with its
+  line when too few are left)."""
+
+  def __init__(self, lost: list[Exit]):
+    self.lost = lost
+
+  def exits(self) -> list[Exit]:
+    return list(self.lost)
+
+  def running(self) -> int:
+    return 0
+
+  def signal_all(self, signum: int) -> None:
+    pass
+
+  def resumed_from(self) -> tuple[int, str] | None:
+    return None
+
+
+def signal_script(run_name: str, signum: int) -> str:
+  """Sends `signum` to the process group multihost_runner's remote script recorded (SIGKILL: its kill script)."""
+  if signum == signal.SIGKILL:
+    return kill_script(run_name)
+  pid_file = f'"$HOME"/{run_name}/{PID_FILE}'
+  return f"if [ -s {pid_file} ]; then kill -{signum} -- -$(cat {pid_file}) 2>/dev/null; fi; true"
+
+
+class TpuVmLauncher:
+  """Slices of TPU VMs named like multihost_runner's (PREFIX-0 .. PREFIX-(N-1)), each worker reached
+  over `gcloud compute tpus tpu-vm ssh` running `command` in its existing ~/RUN_NAME folder. A
+  slice is up while its TPU is READY; the chosen slices are renumbered 0.. for the multislice
+  variables, with slice 0 worker 0 the coordinator."""
+
+  def __init__(self, gcloud: Gcloud, names: Sequence[str], command: str, run_name: str, log_dir: Path,
+               internal_ip: bool = False, megascale_port: int = 8080):
+    self.gcloud, self.names, self.command, self.run_name = gcloud, list(names), command, run_name
+    self.log_dir, self.internal_ip, self.port = log_dir, internal_ip, megascale_port
+    log_dir.mkdir(parents=True, exist_ok=True)
+    self.generations = logged_generations(log_dir)  # a rerun's logs go beside the last run's
+
+  def available(self) -> set[int]:
+    up = set()
+    for i, name in enumerate(self.names):
+      try:
+        describe_slice(self.gcloud, name, i)
+        up.add(i)
+      except UserError:
+        pass  # not READY (preempted, repairing) or not listed: down
+    return up
+
+  def mark_lost(self, slice_id: int) -> None:
+    pass  # the TPU's own state says when it is back
+
+  def start(self, slices: Sequence[int], overrides: Sequence[str], env: Mapping[str, str] | None = None
+            ) -> _SshGeneration | _Unstarted:
+    self.generations += 1
+    workers, lost = [], []
+    for new, s in enumerate(slices):
+      try:
+        workers += [dataclasses.replace(w, slice_id=new) for w in
+                    describe_slice(self.gcloud, self.names[s], s)]
+      except UserError as e:  # lost since the supervisor's look (PREEMPTED, say): a lost slice, like any other
+        lost.append(Exit(s, len(workers), LOST_EXIT,
+                         f"could not be started: {str(e).removesuffix('; wait for it or recreate it')}"))
+    if lost:  # nothing is started: the supervisor relaunches on the slices still up
+      return _Unstarted(lost)
+    command = " ".join([self.command, *map(shlex.quote, overrides)])
+    folder = self.log_dir / f"generation_{self.generations}"
+    folder.mkdir(parents=True, exist_ok=True)
+    hosts = []
+    for i, worker in enumerate(workers):
+      exports = {**worker_env(worker, workers[0].ip, len(slices), self.port), **(env or {})}
+      script = remote_script(self.run_name, command, exports, unpack=False)
+      argv = ssh_command(self.gcloud, worker.slice_name, str(worker.index), script, self.internal_ip)
+      hosts.append(start_host(argv, worker, folder, stream=False))
+    chosen = [self.names[s] for s in slices]
+
+    def signal_commands(signum: int) -> list[list[str]]:
+      return [ssh_command(self.gcloud, name, "all", signal_script(self.run_name, signum),
+                                           self.internal_ip) for name in chosen]
+
+    return _SshGeneration(hosts, {self.names[s]: s for s in slices}, signal_commands)
 
 
 TOOL = startup.Tool("multihost_runner", builds_config=False)

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText.platform import elastic_launchers
+from MaxText import multihost_runner
+from MaxText.platform import loopback_launch
 from MaxText import elastic
 from MaxText.platform import run_progress
 from MaxText.platform.generations import Exit
@@ -481,10 +482,10 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   from tests.compile_settings import FAST_COMPILE_FLAG, jax_cache_env
   from tests.conftest import REPO_ROOT
 
-  env = elastic_launchers.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG, **jax_cache_env()})
+  env = loopback_launch.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG, **jax_cache_env()})
   command = [sys.executable, "-m", "MaxText.train", "configs/base.yml", f"base_output_directory={tmp_path}",
              *_LOOPBACK_MODEL]
-  reference = elastic_launchers.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 8, tmp_path / "ref_state", env,
+  reference = loopback_launch.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 8, tmp_path / "ref_state", env,
                                        tmp_path / "reference_logs")
   ((_, proc),) = reference.start([0], []).procs
   assert proc.wait(timeout=900) == 0
@@ -519,7 +520,7 @@ def test_a_killed_process_shrinks_the_loopback_job_and_its_return_grows_it_back(
   assert " elastic resizes " in line and " (2), " in line, line
 
   # Against a full restart of all 4 processes from the persistent tier (the last step), on the same machine.
-  restart = elastic_launchers.LoopbackLauncher([*command, "run_name=elastic", f"steps={_LOOPBACK_STEPS + 1}",
+  restart = loopback_launch.LoopbackLauncher([*command, "run_name=elastic", f"steps={_LOOPBACK_STEPS + 1}",
                                       "checkpoint_period=6"], 4, 1, 2,
                                      tmp_path / "restart_state", env, tmp_path / "restart_logs")
   layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
@@ -578,7 +579,7 @@ def test_the_tpu_vm_launcher_shrinks_to_the_ready_slices_and_grows_back(tmp_path
     (cloud.home(name, 0) / "run").mkdir(parents=True)
     (cloud.home(name, 0) / "run" / "worker.py").write_text(_TPU_WORKER)
   gcloud = Gcloud(project="p", zone="z", dry_run=False, executable=str(cloud.root / "bin" / "gcloud"))
-  launcher = elastic_launchers.TpuVmLauncher(gcloud, ["job-0", "job-1"], f"{sys.executable} worker.py {shared}", "run",
+  launcher = multihost_runner.TpuVmLauncher(gcloud, ["job-0", "job-1"], f"{sys.executable} worker.py {shared}", "run",
                                    tmp_path / "logs")
   run_dir = tmp_path / "run_dir"
   run_dir.mkdir()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.platform import elastic_launchers
+from MaxText.platform import loopback_launch
 from MaxText import elastic, multihost_runner
 from MaxText.platform import run_progress
 from MaxText.configuration import elastic_config
@@ -285,7 +285,7 @@ def test_launcher_names_ports_and_flags_that_cannot_work_are_one_line(extra, mes
 
 
 def test_a_slice_marker_that_is_a_folder_still_marks_the_slice_down(tmp_path):
-  launcher = elastic_launchers.LoopbackLauncher(["true"], 2, 1, 1, tmp_path, {}, tmp_path)
+  launcher = loopback_launch.LoopbackLauncher(["true"], 2, 1, 1, tmp_path, {}, tmp_path)
   (tmp_path / "slice_1.down").mkdir()
   assert launcher.available() == {0}
   launcher.mark_lost(1)  # was: IsADirectoryError, ending the supervisor with its processes stopped
@@ -297,7 +297,7 @@ def test_a_slice_marker_that_is_a_folder_still_marks_the_slice_down(tmp_path):
 def test_a_loopback_rerun_with_its_slices_still_marked_down_names_the_markers(tmp_path):
   """A rerun of the same command finds the down markers the last run wrote (they outlive it): the
   line said to relaunch "when the slices are back", which on loopback never happens by itself."""
-  launcher = elastic_launchers.LoopbackLauncher(["true"], 2, 1, 1, tmp_path, {}, tmp_path)
+  launcher = loopback_launch.LoopbackLauncher(["true"], 2, 1, 1, tmp_path, {}, tmp_path)
   launcher.mark_lost(0)
   launcher.mark_lost(1)
   with pytest.raises(UserError, match=rf"^elastic: 0 slice\(s\) up at the start, fewer than elastic_min_slices=1 .*"
@@ -496,7 +496,7 @@ def test_a_deleted_replacement_queued_resource_is_asked_for_again_and_one_missed
 class _LostAtTheStart:
   """The TPU VM launcher, with `lose` set PREEMPTED between the supervisor's look and the first start."""
 
-  def __init__(self, cloud: FakeCloud, inner: elastic_launchers.TpuVmLauncher, lose: list[str]):
+  def __init__(self, cloud: FakeCloud, inner: multihost_runner.TpuVmLauncher, lose: list[str]):
     self.cloud, self.inner, self.lose, self.starts = cloud, inner, lose, 0
 
   def available(self):
@@ -522,7 +522,7 @@ def test_a_slice_lost_between_the_look_and_the_start_is_a_lost_slice(tmp_path, m
   cloud.configure(tpus={name: {"workers": 1, "state": "READY"} for name in ("job-0", "job-1")})
   for name in ("job-0", "job-1"):
     (cloud.home(name, 0) / "run").mkdir(parents=True)
-  inner = elastic_launchers.TpuVmLauncher(gcloud, ["job-0", "job-1"], "echo ran >> ../ran", "run", tmp_path / "logs")
+  inner = multihost_runner.TpuVmLauncher(gcloud, ["job-0", "job-1"], "echo ran >> ../ran", "run", tmp_path / "logs")
   launcher = _LostAtTheStart(cloud, inner, lose)
   lines: list[str] = []
   supervisor = elastic.Supervisor(_LAYOUT, launcher, tmp_path / "run_dir", poll_s=0, stop_grace_s=5, log=lines.append)
@@ -552,7 +552,7 @@ def test_gcloud_and_kubectl_printing_json_of_another_shape_is_a_slice_down_or_on
                _tool(tmp_path / "gcloud2", """echo '{"state": "READY", "networkEndpoints": [1]}'\n"""))
   with pytest.raises(UserError, match=r"networkEndpoints is not a list of objects$"):
     multihost_runner.describe_slice(odd, "job-0", 0)
-  assert elastic_launchers.TpuVmLauncher(gcloud, ["job-0"], "true", "run", tmp_path / "logs").available() == set()
+  assert multihost_runner.TpuVmLauncher(gcloud, ["job-0"], "true", "run", tmp_path / "logs").available() == set()
   kubectl = Kubectl(_tool(tmp_path / "kubectl", "echo '[1, 2]'\n"), retry_s=0)
   with pytest.raises(UserError, match=r"^listing nodes: kubectl's output is list, not a JSON object$"):
     kubectl.json(["get", "nodes"], "listing nodes")
@@ -646,7 +646,7 @@ def test_a_rerun_with_the_same_log_dir_keeps_the_last_runs_logs(tmp_path):
   for name in ("generation_1_process_0.log", "generation_2_process_0.log", "generation_2_process_1.log",
                "supervisor.log", "generation_x.log"):
     (logs / name).write_text(f"the last run's {name}\n")
-  launcher = elastic_launchers.LoopbackLauncher([sys.executable, "-c", "print('new')"], 1, 1, 1, tmp_path / "state", {}, logs)
+  launcher = loopback_launch.LoopbackLauncher([sys.executable, "-c", "print('new')"], 1, 1, 1, tmp_path / "state", {}, logs)
   generation = launcher.start([0], [])
   assert [p.wait(timeout=60) for _, p in generation.procs] == [0]
   assert (logs / "generation_3_process_0.log").read_text() == "new\n"
@@ -654,4 +654,4 @@ def test_a_rerun_with_the_same_log_dir_keeps_the_last_runs_logs(tmp_path):
   assert (logs / "generation_2_process_0.log").read_text() == "the last run's generation_2_process_0.log\n"
   (logs / "generation_7").mkdir()  # the TPU VM launcher's folder per generation
   assert logged_generations(logs) == 7
-  assert elastic_launchers.TpuVmLauncher(None, ["a"], "true", "r", logs).generations == 7  # type: ignore[arg-type]
+  assert multihost_runner.TpuVmLauncher(None, ["a"], "true", "r", logs).generations == 7  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from MaxText.platform import elastic_launchers
+from MaxText import multihost_runner
 from MaxText import elastic
 from MaxText.configuration.elastic_config import SliceLayout
 from MaxText.errors import UserError
@@ -234,7 +234,7 @@ def test_a_preempted_queued_slice_is_replaced_and_the_job_grows_back_onto_it(tmp
   queued = QueuedSlices(gcloud, "job", 2, "v5litepod-8", "v2-alpha-tpuv5-lite", ["--spot"], prepare, log=lambda m: None)
   queued.request_all(poll_s=0.1)
   assert readied == ["job-0", "job-1"]
-  inner = elastic_launchers.TpuVmLauncher(gcloud, queued.names, f"{sys.executable} worker.py {shared}", "run", tmp_path / "logs")
+  inner = multihost_runner.TpuVmLauncher(gcloud, queued.names, f"{sys.executable} worker.py {shared}", "run", tmp_path / "logs")
   launcher = QueuedResourceLauncher(inner, queued)
   run_dir = tmp_path / "run_dir"
   run_dir.mkdir()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.platform.elastic_launchers import host_local_directory
+from MaxText.platform.loopback_launch import host_local_directory
 from MaxText.run_dir import peer_handover
 from MaxText.run_dir.local_checkpoints import LocalTier
 from tests.compile_settings import jax_cache_env

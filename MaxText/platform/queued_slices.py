@@ -40,7 +40,7 @@ class QueuedResourceEnded(UserError):
 
 
 class NamedLauncher(Protocol):
-  """A launcher whose slice i runs on the TPU named names[i] (elastic_launchers.TpuVmLauncher)."""
+  """A launcher whose slice i runs on the TPU named names[i] (multihost_runner.TpuVmLauncher)."""
 
   names: list[str]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.platform import elastic_launchers
+from MaxText.platform import loopback_launch
 from MaxText import elastic
 from MaxText.platform import run_progress
 from MaxText.configuration.elastic_config import SliceLayout
@@ -78,7 +78,7 @@ def plan(seed: int, count: int, faults: tuple[str, ...] = FAULTS) -> list[Trial]
 
 
 def _env() -> dict[str, str]:
-  return elastic_launchers.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG, **jax_cache_env()})
+  return loopback_launch.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG, **jax_cache_env()})
 
 
 def _command(out: Path, run_name: str) -> list[str]:
@@ -113,7 +113,7 @@ class Campaign:
   def reference(self) -> dict[int, float]:
     """The uninterrupted run: one process holding both slices' devices."""
     if self._reference is None:
-      launcher = elastic_launchers.LoopbackLauncher(_command(self.workdir, "reference"), 1, 1, 2, self.workdir / "ref_state",
+      launcher = loopback_launch.LoopbackLauncher(_command(self.workdir, "reference"), 1, 1, 2, self.workdir / "ref_state",
                                           self.env, self.workdir / "ref_logs")
       ((_, proc),) = launcher.start([0], []).procs
       if proc.wait(timeout=900) != 0:
@@ -129,7 +129,7 @@ class Campaign:
     tiers = [f"checkpoint_period={trial.checkpoint_period}", "enable_emergency_checkpoint=True",
              f"local_checkpoint_directory={self.workdir / (name + '_local')}", "local_checkpoint_period=1",
              "elastic_min_slices=1"]
-    launcher = elastic_launchers.LoopbackLauncher([*_command(self.workdir, name), *tiers], 2, 1, 1, logs, self.env, logs)
+    launcher = loopback_launch.LoopbackLauncher([*_command(self.workdir, name), *tiers], 2, 1, 1, logs, self.env, logs)
     if trial.fault == "kill_in_resize":
       launcher.mark_lost(1)  # the job starts on slice 0; slice 1 returns later
     supervisor = elastic.Supervisor(LAYOUT, launcher, run_dir, poll_s=0.2, stop_grace_s=60,
@@ -153,7 +153,7 @@ class Campaign:
     self._check(outcome, run_dir, expected)
     return outcome
 
-  def _inject(self, trial: Trial, launcher: elastic_launchers.LoopbackLauncher, supervisor: elastic.Supervisor, run_dir: Path,
+  def _inject(self, trial: Trial, launcher: loopback_launch.LoopbackLauncher, supervisor: elastic.Supervisor, run_dir: Path,
               outcome: Outcome) -> None:
     def reached(step: int) -> bool:
       return run_progress.logged_step(run_dir) >= step
@@ -219,7 +219,7 @@ def _outcome(supervisor: elastic.Supervisor) -> object:
     return f"{type(e).__name__}: {e}"
 
 
-def _kill(launcher: elastic_launchers.LoopbackLauncher, index: int) -> bool:
+def _kill(launcher: loopback_launch.LoopbackLauncher, index: int) -> bool:
   """False: the process had already ended."""
   generation = launcher.current
   assert generation is not None

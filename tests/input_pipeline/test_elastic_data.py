@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText.platform import elastic_launchers
+from MaxText.platform import loopback_launch
 from MaxText.configuration.config import Config
 from MaxText.errors import ConfigError
 from MaxText.input_pipeline import create_data_iterator, pipeline, real_data_iterator
@@ -181,7 +181,7 @@ def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_ru
   from tests.conftest import REPO_ROOT, SHAKESPEARE
   from tests.test_elastic import _LOOPBACK_MODEL, _LOOPBACK_STEPS, _logged, shrink_and_grow_back
 
-  env = elastic_launchers.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG,
+  env = loopback_launch.loopback_env({"PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": FAST_COMPILE_FLAG,
                               "HF_DATASETS_CACHE": str(tmp_path / "hf_cache"), **jax_cache_env()})
   data = ["dataset_type=hf", f"hf_data_files={SHAKESPEARE}", f"tokenizer_path={spm_model}", "vocab_size=512",
           "elastic_min_slices=1"]
@@ -190,7 +190,7 @@ def test_a_loopback_job_on_a_text_file_shrinks_and_grows_on_the_uninterrupted_ru
              *data]
   layout = SliceLayout(num_slices=4, devices_per_slice=2, batch_shards_per_slice=2, global_batch_size=8,
                        gradient_accumulation_steps=1, min_slices=1)
-  reference = elastic_launchers.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 2, tmp_path / "ref_state", env,
+  reference = loopback_launch.LoopbackLauncher([*command, "run_name=reference"], 1, 1, 2, tmp_path / "ref_state", env,
                                        tmp_path / "reference_logs")
   ((_, proc),) = reference.start([0], elastic_config.resize(layout, 1).overrides()).procs
   assert proc.wait(timeout=900) == 0, [p.read_text()[-3000:] for p in (tmp_path / "reference_logs").iterdir()]
