@@ -34,7 +34,7 @@ from MaxText.configuration import config as config_lib
 from MaxText import startup
 from MaxText.platform import distributed
 from MaxText.errors import UserError, run_cli
-from MaxText.inference import image_chat, serve_app, serve_codec
+from MaxText.inference import image_chat, job_events, serve_app, serve_codec
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import lora_adapters, serve_frontend, serve_metrics, serve_processes, speculative_engine
@@ -117,6 +117,7 @@ class Server(serve_app.HttpServer):
 
   async def admit(self, request: api.Request, score_prompt: bool
                   ) -> tuple[list[sched.Job], asyncio.Queue[list[sched.Event]]]:
+    self.check_serving()
     return self.submit(request, score_prompt)
 
   def submit(self, request: api.Request, score_prompt: bool
@@ -132,10 +133,10 @@ class Server(serve_app.HttpServer):
     adapter = None if self.adapters is None else serve_app.adapter_of(request, self.limits, score_prompt)
     if adapter is not None:
       return self._submit_to_adapter(request, score_prompt, emit, adapter), queue
-    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, score_prompt, images=c.images,
+    jobs = [sched.Job(c.index, c.prompt, c.max_tokens, c.row, emit, scores, images=c.images,
                       constraint=None if request.grammar is None else request.grammar.constraint(),
                       top_logprobs=bool(request.logprobs))
-            for c in request.choices]
+            for c, scores in zip(request.choices, _scoring(request, score_prompt))]
     self._submit(jobs)
     return jobs, queue
 
@@ -152,10 +153,10 @@ class Server(serve_app.HttpServer):
     try:  # held from here: anything that stops the jobs from reaching the scheduler gives the holds back, else the
       # adapter stays "in flight" for ever and DELETE answers 409 until a restart
       jobs = [sched.Job(c.index, c.prompt, c.max_tokens, dataclasses.replace(c.row, adapter=row),
-                        adapters.releasing(name, emit), score_prompt, images=c.images,
+                        adapters.releasing(name, emit), scores, images=c.images,
                         constraint=None if request.grammar is None else request.grammar.constraint(),
                         cache_key=key, top_logprobs=bool(request.logprobs))
-              for c in request.choices]
+              for c, scores in zip(request.choices, _scoring(request, score_prompt))]
       self._submit(jobs)
     except BaseException:
       for _ in request.choices:
@@ -168,6 +169,10 @@ class Server(serve_app.HttpServer):
       self.scheduler.submit(jobs)
     except (sched.QueueFull, sched.TooLarge) as e:
       raise serve_app.refusal(e) from None
+
+
+def _scoring(request: api.Request, score_prompt: bool) -> list[bool]:
+  return job_events.scoring([(c.index, c.prompt) for c in request.choices], score_prompt)
 
 
 def limits(config: config_lib.Config, adapters: lora_adapters.Registry | None = None) -> api.Limits:
@@ -252,8 +257,8 @@ def main(argv: list[str]) -> int:
                                     read_timeout_seconds=d.serve_read_timeout_seconds)
     code = serve_processes.serve(server.scheduler, server.codec.grammars, sock, spec, d.serve_http_processes,
                                  server.adapters)
-  else:
-    uvicorn.Server(serve_app.uvicorn_config(app, d.serve_read_timeout_seconds)).run(sockets=[sock])
+  else:  # SIGTERM: the open requests get serve_app.DRAIN_SECONDS, then end with an error
+    serve_app.run(uvicorn.Server(serve_app.uvicorn_config(app, d.serve_read_timeout_seconds)), server, [sock])
     code = 0
   server.scheduler.stop()
   return code

@@ -35,7 +35,6 @@ from MaxText.paths import storage
 from MaxText.platform.distributed import log
 from MaxText.errors import ConfigError, TrainingError, UserError, run_cli
 from MaxText.input_pipeline import check_sources
-from MaxText.inference import quantized_weights
 from MaxText.rl import rollout_mesh
 from MaxText.rl.rollouts import RolloutBatches
 from MaxText.layers import pipeline
@@ -150,9 +149,6 @@ def train(config: config_lib.Config, lease: run_lease.Lease | None = None, argv:
       f"{setup.param_unsharded_fraction:.2%} of parameter bytes not fully sharded")
   if run.lora_description():
     log(run.lora_description())
-  note = quantized_weights.training_note(config, run.objective.uses_rollouts)
-  if note:
-    log(note)
 
   flops = metrics.objective_tflops_per_step(config, run.objective)
   peak, peak_source = accelerators.peak_tflops_per_device(target, config.run.cpu_peak_tflops)

@@ -180,6 +180,36 @@ def test_a_companion_config_of_an_adamw_run_warns_about_nothing(capsys):
   assert "does not read" not in capsys.readouterr().err
 
 
+QUANTIZE_WEIGHTS_LINE = ("warning: quantize_weights=int8 sets how decode, serve and GRPO rollouts store the weights "
+                         "they decode from; objective={objective} decodes nothing, so it changes nothing here and the "
+                         "weights train in float (for int8 training matmuls set quantization=int8)")
+
+
+@pytest.mark.parametrize("argv, reads_data, line", [
+    (["quantize_weights=int8"], True, QUANTIZE_WEIGHTS_LINE.format(objective="lm")),
+    (["quantize_weights=int8", "objective=dpo", "dataset_type=hf", "hf_data_files=pairs.jsonl",
+      "tokenizer_type=huggingface", "tokenizer_path=tok"], True, QUANTIZE_WEIGHTS_LINE.format(objective="dpo")),
+    (["quantize_weights=int8"], False, None),  # decode, serve: the engine stores its weights so
+    ([], True, None),
+])
+def test_quantize_weights_in_a_run_that_decodes_nothing_is_one_warning(argv, reads_data, line, capsys):
+  """train.py (and train_compile, plan) with quantize_weights and an objective that decodes nothing trained float
+  weights; only train.py said so, in a note after the model was built: now one warning where the config is
+  checked, as for an optimizer key opt_type does not read. GRPO's rollouts read it (configs/grpo.yml)."""
+  config_fields.WARNED.clear()
+  overrides = config_lib.parse_overrides(["train", "configs/base.yml", *argv], environ={})
+  config_lib.build_config(overrides, CPU8, reads_data=reads_data)
+  warnings = [w for w in capsys.readouterr().err.splitlines() if "quantize_weights" in w]
+  assert warnings == ([line] if line else [])
+
+
+def test_quantize_weights_with_grpo_rollouts_warns_about_nothing(capsys):
+  config_fields.WARNED.clear()
+  load_config(["train", "configs/grpo.yml", "quantize_weights=int8", "tokenizer_path=tok", "hf_data_files=p.jsonl",
+               "reward_functions=exact_match", "per_device_batch_size=8"])
+  assert "quantize_weights" not in capsys.readouterr().err
+
+
 def test_a_list_of_names_keeps_its_numbers_as_typed_and_refuses_other_items(tmp_path):
   """A list of names (data columns, eval tasks, mesh axes) holding a number kept YAML's float (1.10 became the number
   1.1, a column no file has, found only at the first batch); a `true` or a mapping in it passed on to wherever the

@@ -78,8 +78,34 @@ def _drop_second_shard(d: Path) -> None:
   sorted(d.glob("*.safetensors"))[1].unlink()
 
 
-def _as_bin_shards_one_missing(d: Path) -> None:
-  """The shards as torch .bin files with their pytorch_model.bin.index.json (older checkpoints), the second gone."""
+QUERY_0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _index_points_elsewhere(d: Path) -> None:
+  """The index maps the query projection to a shard other than the one holding it (a stale index beside re-saved
+  shards): the shard it names lacks the tensor."""
+  index = json.loads((d / "model.safetensors.index.json").read_text())
+  holder = index["weight_map"][QUERY_0]
+  index["weight_map"][QUERY_0] = next(f.name for f in sorted(d.glob("*.safetensors")) if f.name != holder)
+  (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _dropped_from_its_shard(d: Path, suffix: str = ".safetensors") -> None:
+  """The query projection left out of the shard the index names for it (that shard saved again without it)."""
+  index_name = "model.safetensors.index.json" if suffix == ".safetensors" else "pytorch_model.bin.index.json"
+  shard = d / json.loads((d / index_name).read_text())["weight_map"][QUERY_0]
+  if suffix == ".safetensors":
+    save_file({k: v for k, v in load_file(str(shard)).items() if k != QUERY_0}, str(shard), metadata={"format": "pt"})
+    return
+  import torch
+
+  state = torch.load(shard, weights_only=True)
+  del state[QUERY_0]
+  torch.save(state, shard)
+
+
+def _as_bin_shards(d: Path) -> None:
+  """The shards as torch .bin files with their pytorch_model.bin.index.json (older checkpoints)."""
   import torch
 
   index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -91,7 +117,17 @@ def _as_bin_shards_one_missing(d: Path) -> None:
   (d / "model.safetensors.index.json").unlink()
   index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
   (d / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-  (d / sorted(renamed.values())[1]).unlink()
+
+
+def _as_bin_shards_one_missing(d: Path) -> None:
+  """The .bin shards, the second gone."""
+  _as_bin_shards(d)
+  sorted(d.glob("pytorch_model-*.bin"))[1].unlink()
+
+
+def _as_bin_shards_one_lacking_a_tensor(d: Path) -> None:
+  _as_bin_shards(d)
+  _dropped_from_its_shard(d, ".bin")
 
 
 CASES = {
@@ -139,6 +175,16 @@ CASES = {
     "a torch shard the index names is missing": ("sharded", _as_bin_shards_one_missing,
                                                  "{d}/pytorch_model.bin.index.json names 1 shard(s) that are not in "
                                                  "{d}, e.g. pytorch_model-00002-of-"),
+    # Was converted without a word (the tensor found in another shard) or stopped later on a parameter the
+    # checkpoint did not fill, naming neither the index nor the shard.
+    "the index maps a tensor to a shard that lacks it": ("sharded", _index_points_elsewhere,
+                                                          "{d}/model.safetensors.index.json maps " + QUERY_0 + " to "
+                                                          "model-000"),
+    "a shard lacks a tensor the index maps to it": ("sharded", _dropped_from_its_shard,
+                                                    "{d}/model.safetensors.index.json maps " + QUERY_0 + " to model-000"),
+    "a torch shard lacks a tensor the index maps to it": ("sharded", _as_bin_shards_one_lacking_a_tensor,
+                                                          "{d}/pytorch_model.bin.index.json maps " + QUERY_0 + " to "
+                                                          "pytorch_model-000"),
 }
 
 

@@ -8,6 +8,7 @@ scoring requests that leave no KV pages reserved, /health and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -618,6 +619,119 @@ def test_echo_logprobs_equal_the_model_log_softmax(served):
   assert all(1 <= len(top) <= 3 and max(top.values()) >= lp and top[text] == pytest.approx(lp, abs=1e-5)
              for top, lp, text in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:],
                                       logprobs["tokens"][1:]))
+
+
+def _choices_by_index(response: httpx.Response, stream: bool) -> dict[int, list[str]]:
+  """Each choice's JSON without its index: the whole answer's, or a stream's chunks in order (without the chunks'
+  id and creation time, which differ between answers)."""
+  def keyed(choice: dict) -> tuple[int, str]:
+    return choice["index"], json.dumps({k: v for k, v in choice.items() if k != "index"})
+
+  out: dict[int, list[str]] = {}
+  if not stream:
+    for choice in response.json()["choices"]:
+      index, text = keyed(choice)
+      out.setdefault(index, []).append(text)
+    return out
+  for line in response.text.splitlines():
+    if line.startswith("data: {"):
+      for choice in json.loads(line[len("data: "):])["choices"]:
+        index, text = keyed(choice)
+        out.setdefault(index, []).append(text)
+  return out
+
+
+def test_echo_logprobs_score_each_prompt_once_and_every_choice_answers_as_one_alone(served, monkeypatch):
+  """Echo with logprobs and n > 1, or a prompt listed twice: the engine scores each distinct prompt once (each choice
+  scored it again before), and every choice's answer, whole or streamed, is byte for byte the answer n=1 gives."""
+  engine = served.server.scheduler.engine
+  scored: list[list[int]] = []
+  score = engine.score
+
+  def counted(params, prompt, **kwargs):
+    scored.append(list(prompt))
+    return score(params, prompt, **kwargs)
+
+  monkeypatch.setattr(engine, "score", counted)
+  ids = [served.ids(PROMPTS[2]), served.ids(PROMPTS[3])]
+  base = {"model": "tiny", "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0}
+  for stream in (False, True):
+    alone = [_choices_by_index(_post(served, "/v1/completions", json.dumps({**base, "prompt": p, "stream": stream})),
+                               stream)[0] for p in ids]
+    scored.clear()
+    many = _choices_by_index(_post(served, "/v1/completions", json.dumps({**base, "prompt": ids[0], "n": 4,
+                                                                           "stream": stream})), stream)
+    assert scored == [ids[0]] and many == dict.fromkeys(range(4), alone[0])
+    scored.clear()
+    listed = _choices_by_index(_post(served, "/v1/completions", json.dumps({**base, "prompt": [ids[0], ids[1], ids[0]],
+                                                                             "n": 1, "stream": stream})), stream)
+    assert scored == ids and listed == {0: alone[0], 1: alone[1], 2: alone[0]}
+  scored.clear()  # with generated tokens too (their log-probabilities may differ in the last bits: prefix caching)
+  out = _post(served, "/v1/completions", json.dumps({**base, "prompt": ids[0], "n": 3, "max_tokens": 2})).json()
+  echoed = {json.dumps({k: v[:len(ids[0])] for k, v in c["logprobs"].items()}) for c in out["choices"]}
+  assert scored == [ids[0]]
+  reference = _post(served, "/v1/completions", json.dumps({**base, "prompt": ids[0]})).json()["choices"][0]
+  assert echoed == {json.dumps(reference["logprobs"])}
+
+
+def test_a_stopping_server_gives_open_requests_the_drain_then_ends_them(monkeypatch):
+  """serve.main's one-process server (serve_app.run: uvicorn and the drain) told to stop (SIGTERM sets uvicorn's
+  should_exit) while a stream and an unstreamed request wait for jobs that never end: they get
+  serve_app.DRAIN_SECONDS, then the stream ends with an error event and [DONE], the other is a 503 engine_gone, their
+  jobs are cancelled and the server stops. Before, uvicorn waited for them for ever (its graceful shutdown has no
+  time limit)."""
+  from MaxText.inference import job_events, openai_api, serve_app, serve_metrics
+
+  monkeypatch.setattr(serve_app, "DRAIN_SECONDS", 0.5)
+  cancelled: list[int] = []
+
+  class Job:
+    def __init__(self, index: int):
+      self.index, self.submitted = index, time.monotonic()
+
+    def cancel(self) -> None:
+      cancelled.append(self.index)
+
+  class Endless(serve_app.HttpServer):
+    """Each choice gets one token, then nothing more."""
+
+    request_timeout_seconds = 300.0
+
+    async def admit(self, request, score_prompt):
+      self.check_serving()
+      queue: asyncio.Queue = asyncio.Queue()
+      queue.put_nowait([job_events.Tokens(c.index, [ord("a")], [-0.5], [[]]) for c in request.choices])
+      return [Job(c.index) for c in request.choices], queue
+
+  codec = openai_api.Codec(encode=lambda text: [ord(c) for c in text], decode=lambda ids: "".join(map(chr, ids)),
+                           chat=lambda messages: [1])
+  server = Endless(codec, openai_api.Limits("tiny", 256, 16, 32, 8, 2), serve_metrics.ServeMetrics(lambda: {}))
+  sock = serve_lib.listen("127.0.0.1", 0)
+  uv = uvicorn.Server(serve_app.uvicorn_config(build_app(server, api_key=""), 60.0))
+  serving = threading.Thread(target=serve_app.run, args=(uv, server, [sock]), daemon=True)
+  serving.start()
+  url = serve_lib.address("127.0.0.1", sock)
+  body = {"model": "tiny", "prompt": "x", "max_tokens": 8}
+  unstreamed: list[httpx.Response] = []
+  waiting = threading.Thread(target=lambda: unstreamed.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                         timeout=60)))
+  waiting.start()
+  with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+    lines = stream.iter_lines()
+    assert next(lines).startswith("data: ")
+    time.sleep(0.5)  # the unstreamed request is in too
+    uv.should_exit = True
+    stopped = time.monotonic()
+    events = [line for line in lines if line]
+  assert serve_app.DRAIN_SECONDS <= time.monotonic() - stopped < 30
+  assert events[-1] == "data: [DONE]", events
+  error = json.loads(events[-2][len("data: "):])["error"]
+  assert error["code"] == "engine_gone" and error["message"] == "the server is stopping", error
+  waiting.join(30)
+  [answer] = unstreamed
+  assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_gone", answer.text
+  serving.join(30)
+  assert not serving.is_alive() and sorted(cancelled) == [0, 0]
 
 
 def test_generated_tokens_carry_their_top_alternatives_only_when_asked(served):

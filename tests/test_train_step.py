@@ -370,3 +370,38 @@ def test_the_logged_learning_rate_is_the_one_the_update_used_after_a_skipped_ste
   assert float(skipped["learning_rate"]) == float(applied["learning_rate"]) == float(schedule(0))
   state, third = run.step_fn(state, batch, run.rng, np.float32(np.inf))
   assert float(third["learning_rate"]) == float(schedule(1)) != float(schedule(0))
+
+
+
+@pytest.mark.parametrize("micro_batches", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_float16_weights_take_the_per_token_gradient_of_a_large_batch(tiny_overrides, micro_batches):
+  """weight_dtype=float16 differentiated the loss summed over the batch's tokens and divided by their count after:
+  over 32768 tokens of one repeated token the output head's gradient passed float16's 65504, so the step's
+  gradients were inf (with accumulation, where each micro-batch's stayed finite, at the sum's cast back to
+  float16) where float32 weights gave finite ones. Each micro-batch's loss is now divided by its tokens first."""
+  import dataclasses
+
+  from MaxText.platform import accelerators
+  from MaxText.training.run_assembly import build_run
+
+  def run(dtype: str):
+    overrides = {**tiny_overrides, "base_num_decoder_layers": 1, "per_device_batch_size": 512, "max_target_length": 64}
+    config = Config.for_testing(dataclasses.replace(accelerators.local_target(), num_devices=1), weight_dtype=dtype,
+                                adam_eps=1e-4, gradient_accumulation_steps=micro_batches, dataset_type="synthetic",
+                                enable_checkpointing=False, **overrides)
+    return build_run(config, devices=jax.devices()[:1], compiled_step=False)
+
+  half, full = run("float16"), run("float32")
+  half_state = half.init_state()
+  batch = next(half.data_iterator())
+  batch = {**batch, "inputs": jnp.full_like(batch["inputs"], 5), "targets": jnp.full_like(batch["targets"], 5)}
+  assert int(jnp.sum(batch["targets_segmentation"] > 0)) == 32768
+  # The same weights in float32: the reference's state needs no init of its own.
+  full_params = jax.tree.map(lambda p: p.astype(jnp.float32), half_state.params)
+  full_state = jax.tree.map(jnp.copy, half_state).replace(  # copies: each step donates its state
+      params=full_params, opt_state=jax.jit(full.setup.optimizer.init)(full_params))
+  half_state, half_metrics = half.train_step(half_state, batch, jax.random.key(0))
+  _, full_metrics = full.train_step(full_state, batch, jax.random.key(0))
+  assert np.isfinite(float(full_metrics["grad_norm"]))
+  assert float(half_metrics["grad_norm"]) == pytest.approx(float(full_metrics["grad_norm"]), rel=1e-2)
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(half_state.params))

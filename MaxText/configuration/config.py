@@ -491,7 +491,9 @@ def build_config(overrides: Overrides, target: DeviceTarget, reads_run: bool = F
       raise ConfigError(f"set run_name=NAME: with {target.num_processes} processes each would otherwise name "
                         "the run after its own clock")
     values["run_name"] = default_run_name or datetime.datetime.now().strftime("run_%Y%m%d_%H%M%S")
-  return Config(values, target, reads_data)
+  config = Config(values, target, reads_data)
+  _warn_unread_weight_storage(values, reads_data)  # after the checks: a refused config's line comes alone
+  return config
 
 
 _ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_eps_root", "adam_weight_decay")
@@ -507,6 +509,18 @@ def _warn_unused_optimizer_keys(values: Mapping[str, Any], given: set[str]) -> N
           f"{'it changes' if len(unused) == 1 else 'they change'} nothing" if unused else "")
   if line:
     config_fields.warn_once(line)
+
+
+def _warn_unread_weight_storage(values: Mapping[str, Any], reads_data: bool) -> None:
+  """One warning for quantize_weights in a training run whose objective decodes nothing (GRPO's rollouts are the
+  only training that does): the key sets how an engine stores the weights it decodes from, so such a run trains
+  float weights, which reads as 8-bit training (that is `quantization`). Tools that read no training data (decode,
+  serve, a companion model's config) decode with it."""
+  mode, objective = values["quantize_weights"], values["objective"]
+  if mode and reads_data and objective != "grpo":
+    config_fields.warn_once(f"warning: quantize_weights={mode} sets how decode, serve and GRPO rollouts store the "
+                            f"weights they decode from; objective={objective} decodes nothing, so it changes nothing "
+                            f"here and the weights train in float (for {mode} training matmuls set quantization={mode})")
 
 
 def load_config(

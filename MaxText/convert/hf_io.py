@@ -13,9 +13,10 @@ one shard at a time. The writer needs a local directory (maxtext_to_hf uploads i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
-from typing import IO, Any, Iterator
+from typing import IO, Any, Collection, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -54,35 +55,57 @@ def _weight_map(path: str) -> dict[str, str]:
   return weight_map
 
 
-def _index_shards(hf_path: str, name: str = INDEX_FILE) -> list[str] | None:
-  """The shard files the index `name` names (None: no such index). Each must be there: one missing (a
-  download cut short) would otherwise surface as parameters the checkpoint does not fill."""
+def _index_shards(hf_path: str, name: str = INDEX_FILE) -> ShardIndex | None:
+  """The index `name`'s shards (None: no such index). Each must be there: one missing (a download cut short)
+  would otherwise surface as parameters the checkpoint does not fill."""
   path = storage.join(hf_path, name)
   if not storage.is_file(path):
     return None
-  shards = sorted(set(_weight_map(path).values()))
+  weight_map = _weight_map(path)
+  shards = sorted(set(weight_map.values()))
   missing = [f for f in shards if not storage.is_file(storage.join(hf_path, f))]
   if missing:
     raise UserError(f"{path} names {len(missing)} shard(s) that are not in {hf_path}, e.g. {', '.join(missing[:3])}; "
                     "download the missing shards")
-  return [storage.join(hf_path, f) for f in shards]
+  tensors: dict[str, list[str]] = {storage.join(hf_path, f): [] for f in shards}
+  for tensor, shard in weight_map.items():
+    tensors[storage.join(hf_path, shard)].append(tensor)
+  return ShardIndex(path, tensors)
 
 
-def checkpoint_files(hf_path: str) -> list[str]:
-  """The files transformers loads: the shards model.safetensors.index.json names, else model.safetensors,
-  else every safetensors file (HF prefers them when both exist), else the .bin shards. A repository may
-  hold other weights beside them (Mistral's consolidated.safetensors, in its own tensor names)."""
+@dataclasses.dataclass(frozen=True)
+class ShardIndex:
+  """An index file and, per shard path (in name order), the tensor names its weight_map puts there."""
+
+  path: str
+  tensors: dict[str, list[str]]
+
+  def check_holds(self, shard: str, held: Collection[str]) -> None:
+    """One line for a tensor the index puts in `shard` that it does not hold (a stale index, a shard saved
+    again): it surfaced later, if at all, as a parameter the checkpoint does not fill, naming neither file."""
+    lacking = [name for name in self.tensors.get(shard, []) if name not in held]
+    if lacking:
+      more = f" (and {len(lacking) - 1} more tensor(s) it maps there)" if len(lacking) > 1 else ""
+      raise UserError(f"{self.path} maps {lacking[0]} to {storage.name(shard)}, which does not hold it{more}; "
+                      "download that shard and the index again")
+
+
+def checkpoint_files(hf_path: str) -> tuple[list[str], ShardIndex | None]:
+  """The files transformers loads, with the index that named them (None: none did): the shards
+  model.safetensors.index.json names, else model.safetensors, else every safetensors file (HF prefers them when
+  both exist), else the .bin shards. A repository may hold other weights beside them (Mistral's
+  consolidated.safetensors, in its own tensor names)."""
   # (training_args.bin beside .bin shards is the trainer's settings, a pickle: never globbed when an index names them)
-  for index, single, pattern in ((INDEX_FILE, "model.safetensors", "*.safetensors"),
-                                 (BIN_INDEX_FILE, "pytorch_model.bin", "*.bin")):
-    shards = _index_shards(hf_path, index)
-    if shards is not None:
-      return shards
+  for index_name, single, pattern in ((INDEX_FILE, "model.safetensors", "*.safetensors"),
+                                      (BIN_INDEX_FILE, "pytorch_model.bin", "*.bin")):
+    index = _index_shards(hf_path, index_name)
+    if index is not None:
+      return list(index.tensors), index
     if storage.is_file(storage.join(hf_path, single)):
-      return [storage.join(hf_path, single)]
+      return [storage.join(hf_path, single)], None
     files = storage.glob(storage.join(hf_path, pattern))
     if files:
-      return files
+      return files, None
   raise UserError(f"{hf_path} holds no *.safetensors or *.bin weights")
 
 
@@ -123,7 +146,8 @@ def iter_hf_tensors(hf_path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _file_tensors(hf_path: str) -> Iterator[tuple[str, str, np.ndarray]]:
-  for path in checkpoint_files(hf_path):
+  files, index = checkpoint_files(hf_path)
+  for path in files:
     if not path.endswith(".safetensors"):
       try:
         import torch
@@ -132,7 +156,7 @@ def _file_tensors(hf_path: str) -> Iterator[tuple[str, str, np.ndarray]]:
                         "(pip install torch), or convert it to safetensors first") from None
     with storage.local_copy(path) as local:  # a download of one shard when remote, removed after
       if path.endswith(".safetensors"):
-        yield from ((name, path, array) for name, array in _safetensors_tensors(path, local))
+        yield from ((name, path, array) for name, array in _safetensors_tensors(path, local, index))
         continue
       # mmap keeps the shard on disk; each tensor is copied out only when it is converted.
       try:
@@ -140,16 +164,21 @@ def _file_tensors(hf_path: str) -> Iterator[tuple[str, str, np.ndarray]]:
       except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for a bad file
         raise UserError(f"cannot read {path}: {type(e).__name__}: {' '.join(str(e).split())[:200]}; the file is "
                         "damaged, incomplete or not a torch checkpoint (download it again)") from None
+      if index is not None:
+        index.check_holds(path, state)
       for name in list(state):
         yield name, path, _torch_to_numpy(state.pop(name))
       del state
 
 
-def _safetensors_tensors(path: str, local: str) -> Iterator[tuple[str, np.ndarray]]:
+def _safetensors_tensors(path: str, local: str, index: ShardIndex | None = None) -> Iterator[tuple[str, np.ndarray]]:
   """The tensors of one safetensors file; one line naming the file for a damaged one (cut short,
-  not safetensors) and the tensor for a dtype numpy cannot hold (float8: a quantised checkpoint)."""
+  not safetensors) and the tensor for a dtype numpy cannot hold (float8: a quantised checkpoint).
+  With the `index` that names the file, a tensor it puts there that the file lacks is one line first."""
   try:
     with safe_open(local, framework="numpy") as f:
+      if index is not None:  # from the header alone: before any tensor of the shard is read
+        index.check_holds(path, set(f.keys()))
       for name in f.keys():
         try:
           array = f.get_tensor(name)

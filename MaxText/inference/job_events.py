@@ -5,7 +5,7 @@ front-end processes (serve_frontend.py), which receive them pickled from the eng
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Iterable, Protocol, Sequence
 
 
 class QueueFull(Exception):
@@ -54,3 +54,19 @@ class JobHandle(Protocol):
 
   def cancel(self) -> None:
     """Asks the scheduler to end the job (a stop sequence found, a client gone, a deadline)."""
+
+
+# ---------------------------------------------------------------- which of a request's jobs score its prompt
+def prompt_owners(choices: Iterable[tuple[int, Sequence[int]]]) -> dict[int, int]:
+  """(index, prompt) of a request's choices -> each index to that of the first choice with the same prompt. With
+  echo and logprobs only that choice's job scores the prompt and the others share its scores (serve_routes._units):
+  the same tokens score the same, so a prompt's n choices (or a prompt listed twice) need one scoring pass."""
+  first: dict[tuple[int, ...], int] = {}
+  return {index: first.setdefault(tuple(prompt), index) for index, prompt in choices}
+
+
+def scoring(choices: Sequence[tuple[int, Sequence[int]]], score_prompt: bool) -> list[bool]:
+  """Whether each of a request's choices ((index, prompt)) has its job score the prompt: with score_prompt, the first
+  with each prompt (prompt_owners)."""
+  owners = prompt_owners(choices) if score_prompt else {}
+  return [owners.get(index) == index for index, _ in choices]

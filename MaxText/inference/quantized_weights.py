@@ -202,15 +202,3 @@ def rollout_preparer(config: Config, shardings: Params) -> Callable[[Params, boo
   quantizer = WeightQuantizer.for_model(build_model_spec(config.model), decode.quantize_weights,
                                         decode.quantize_weights_block)
   return lambda params, donate: quantizer(params, shardings, donate)
-
-
-def training_note(config: Config, uses_rollouts: bool) -> str | None:
-  """train.py's line for quantize_weights in a run that decodes nothing (`uses_rollouts` False: no GRPO
-  rollouts): the key only sets how an engine stores the weights it decodes from, so such a run trains
-  and saves float weights as before; said once, since the 8-bit training matmuls are `quantization`."""
-  mode = config.decode.quantize_weights
-  if not mode or uses_rollouts:
-    return None
-  return (f"note: quantize_weights={mode} stores the weights decode, serve and GRPO rollouts decode from; "
-          f"objective={config.data.objective} decodes nothing, so it is ignored here and the weights train in float "
-          f"(for {mode} training matmuls set quantization={mode})")

@@ -1,6 +1,7 @@
 """The server's HTTP side, without JAX: the FastAPI app (serve_routes.py's routes behind the API key
 and body-size guard) and `HttpServer`, what those routes ask of a server: the codec, the limits, the
-metrics, and a request's jobs and their events with the deadline and the client's disconnect watched.
+metrics, and a request's jobs and their events with the deadline and the client's disconnect watched;
+`run` / `serve`: uvicorn with the drain of the requests open when it is told to stop.
 `serve.Server` is one in the engine's process (its scheduler thread beside the event loop);
 `serve_frontend.FrontendServer` is one in an HTTP front-end process, whose jobs live in the engine's.
 """
@@ -11,7 +12,9 @@ import asyncio
 import hmac
 import json
 import os
+import socket
 import time
+import weakref
 from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
 
 import orjson
@@ -24,6 +27,11 @@ API_KEY_ENV = "MAXTEXT_API_KEY"  # an environment variable, never a config key: 
 RETRY_AFTER_SECONDS = "1"
 READ_TIMEOUT_SECONDS = 60.0  # serve_read_timeout_seconds' default, for apps built without a config
 OPEN_ROUTES = ("/health", "/metrics")  # no API key needed: probes and scrapers; figures only
+# A server told to stop (SIGTERM, SIGINT) lets its open requests run this long, then ends each with an error (`serve`):
+# uvicorn's graceful stop waits for them with no limit, and a front end is killed by the engine's process
+# (serve_processes._STOP_SECONDS) mid-answer, an "incomplete chunked read" for its client.
+DRAIN_SECONDS = 5.0
+STOPPING = "the server is stopping"
 
 
 def refusal(e: job_events.QueueFull | job_events.TooLarge) -> api.ApiError:
@@ -45,9 +53,24 @@ def adapter_of(request: api.Request, limits: api.Limits, score_prompt: bool) -> 
   return request.model
 
 
+def gone(message: str = STOPPING) -> api.ApiError:
+  """The answer to a request the server can no longer serve (it is stopping, or a front end's engine is gone): the
+  code /health answers then."""
+  return api.ApiError(503, message, code="engine_gone")
+
+
 def unknown_adapter(name: str) -> api.ApiError:
   """The answer to a request whose adapter was removed after the request was read."""
   return api.ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+
+
+class _Open:
+  """A request whose events are being read: `ended` (end_open's message) ends it at its reader's next wake-up."""
+
+  __slots__ = ("queue", "ended", "__weakref__")
+
+  def __init__(self, queue: asyncio.Queue[list[job_events.Event]], ended: str | None):
+    self.queue, self.ended = queue, ended
 
 
 class HttpServer:
@@ -59,6 +82,9 @@ class HttpServer:
   def __init__(self, codec: api.Codec, limits: api.Limits, metrics: serve_metrics.ServeMetrics):
     self.codec, self.limits, self.metrics = codec, limits, metrics
     self._token_text: dict[int, str] = {}
+    self.stopping: str | None = None  # end_open's message: new requests get a 503
+    # Weak: a reader (events' generator) that never ran, its client gone first, leaves nothing behind.
+    self._open: weakref.WeakSet[_Open] = weakref.WeakSet()
 
   def adapter_admin(self) -> lora_admin.Admin | None:
     """What the LoRA admin routes reach the adapters through (None: no adapters served)."""
@@ -85,14 +111,36 @@ class HttpServer:
     """Brings the scheduler's figures /health and /metrics read up to date (they are read in place
     where the scheduler lives in this process)."""
 
-  async def events(self, jobs: Sequence[job_events.JobHandle], queue: asyncio.Queue[list[job_events.Event]],
-                   is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
-                   ) -> AsyncGenerator[list[job_events.Event], None]:
+  def check_serving(self) -> None:
+    """A 503 engine_gone once end_open has run (the server is stopping): what admit says to a new request."""
+    if self.stopping is not None:
+      raise gone(self.stopping)
+
+  def end_open(self, message: str) -> None:
+    """Ends every request whose events are being read: an unstreamed one is a 503 engine_gone (`message`), a stream
+    sends that error event, then [DONE]; their unfinished jobs are cancelled. Later requests get the same 503."""
+    self.stopping = message
+    for request in list(self._open):
+      request.ended = message
+      request.queue.put_nowait([])  # wakes its reader
+
+  def events(self, jobs: Sequence[job_events.JobHandle], queue: asyncio.Queue[list[job_events.Event]],
+             is_disconnected: Callable[[], Awaitable[bool]], route: str = ""
+             ) -> AsyncGenerator[list[job_events.Event], None]:
     """The jobs' events, in the lists they arrived in, until each is done; every unfinished job is
-    cancelled when the consumer stops early (client gone, deadline) or the deadline passes (504). The first token or prompt
-    score is timed for /metrics under `route`."""
-    timeout = self.request_timeout_seconds
-    deadline = time.monotonic() + timeout
+    cancelled when the consumer stops early (client gone, deadline) or the deadline passes (504), or end_open ends
+    the request (503). The deadline is serve_request_timeout_seconds from the jobs' submission: in a front end, the
+    wait for the engine's admission counts too. The first token or prompt score is timed for /metrics under `route`."""
+    # Registered now, not when the generator first runs: end_open reaches a request admitted but not yet read.
+    request = _Open(queue, self.stopping)
+    self._open.add(request)
+    return self._events(request, jobs, is_disconnected, route)
+
+  async def _events(self, request: _Open, jobs: Sequence[job_events.JobHandle],
+                    is_disconnected: Callable[[], Awaitable[bool]], route: str
+                    ) -> AsyncGenerator[list[job_events.Event], None]:
+    queue, timeout = request.queue, self.request_timeout_seconds
+    deadline = min(job.submitted for job in jobs) + timeout
     remaining, first = len(jobs), True
     # A tick (an empty list) on the queue at most every second wakes the loop below to check the deadline
     # and the client: one timer per second, not a timed wait per list of events.
@@ -103,9 +151,11 @@ class HttpServer:
       queue.put_nowait([])
       ticking[0] = loop.call_later(min(1.0, max(deadline - time.monotonic(), 0.001)), tick)
 
-    ticking.append(loop.call_later(min(1.0, timeout), tick))
+    ticking.append(loop.call_later(min(1.0, max(deadline - time.monotonic(), 0.001)), tick))
     try:
       while remaining:
+        if request.ended is not None:
+          raise gone(request.ended)
         if time.monotonic() >= deadline:
           raise api.ApiError(504, f"the request took longer than serve_request_timeout_seconds={timeout}",
                              code="timeout")
@@ -122,8 +172,33 @@ class HttpServer:
         yield events
     finally:
       ticking[0].cancel()
+      self._open.discard(request)
       for job in jobs:
         job.cancel()
+
+
+def run(uv: Any, server: HttpServer, sockets: list[socket.socket]) -> None:
+  """`uv` (a uvicorn.Server of `server`'s app) on `sockets` until it is told to stop, under `serve`'s drain, on
+  the event loop uvicorn's config picks: what uv.run does, with the drain."""
+  with asyncio.Runner(loop_factory=uv.config.get_loop_factory()) as runner:
+    runner.run(serve(uv, server, sockets))
+
+
+async def serve(uv: Any, server: HttpServer, sockets: list[socket.socket]) -> None:
+  """uv.serve(sockets); once told to stop (SIGTERM, SIGINT: uv.should_exit) the requests still open get DRAIN_SECONDS,
+  then server.end_open ends each with an error (a stream's error event, then [DONE]), so uvicorn's graceful stop,
+  which waits for them, ends."""
+  async def drain() -> None:
+    while not uv.should_exit:
+      await asyncio.sleep(0.1)
+    await asyncio.sleep(DRAIN_SECONDS)
+    server.end_open(STOPPING)
+
+  draining = asyncio.create_task(drain())
+  try:
+    await uv.serve(sockets=sockets)
+  finally:
+    draining.cancel()
 
 
 def error_response(e: api.ApiError) -> Any:

@@ -12,7 +12,8 @@ over one Unix socket to it:
               ◄── [("adapter_names", names)] to every front end, then [("adapters", ask id, answer)]
 
 Messages are pickled, each after its length (4 bytes). The process ends when the engine's does (the
-socket's end of file): its requests end with an error and uvicorn stops.
+socket's end of file): its requests end with an error and uvicorn stops. Told to stop (SIGTERM from the engine's
+process), it drains its open requests as the one-process server does (serve_app.serve).
 
     python3 -m MaxText.inference.serve_frontend LISTEN_FD CHANNEL_FD INDEX   (started by serve_processes)
 """
@@ -36,10 +37,6 @@ from MaxText.inference import openai_api as api
 
 _LENGTH_BYTES = 4
 _LOAD_SECONDS = 10.0  # the most /health and /metrics wait for the engine's figures
-# A front end told to stop (SIGTERM from the engine's process) lets its open requests run this long, then ends
-# each with an error event (a stream's [DONE] after it), well before the engine's process kills it
-# (serve_processes._STOP_SECONDS): a stream was cut mid-answer, an "incomplete chunked read" for its client.
-DRAIN_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +105,7 @@ class RemoteAdmin(lora_admin.Admin):
 
   async def _ask(self, op: str, *args: str) -> Any:
     if self.link.engine_gone.is_set():
-      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+      raise serve_app.gone()
     ask_id, self._next_id = self._next_id, self._next_id + 1
     self._asks[ask_id] = asyncio.get_running_loop().create_future()
     self.link.send(("adapters", ask_id, op, args))
@@ -143,7 +140,7 @@ class RemoteAdmin(lora_admin.Admin):
   def engine_gone(self) -> None:
     for asking in self._asks.values():
       if not asking.done():
-        asking.set_result(api.ApiError(503, "the server is stopping", code="engine_gone"))
+        asking.set_result(serve_app.gone())
 
 
 @dataclasses.dataclass
@@ -168,7 +165,6 @@ class FrontendServer(serve_app.HttpServer):
     self.engine_gone = asyncio.Event()
     self._admin: RemoteAdmin | None = None
     self._observed: list[serve_metrics.Observation] = []  # this loop turn's, not sent yet
-    self.stopping = False  # end_open ran: the process is stopping, new requests get a 503
 
   def share_metrics(self) -> None:
     """Sends this front end's request counts and latencies to the engine's process, which passes them
@@ -208,8 +204,7 @@ class FrontendServer(serve_app.HttpServer):
 
   async def admit(self, request: api.Request, score_prompt: bool
                   ) -> tuple[Sequence[job_events.JobHandle], asyncio.Queue[list[job_events.Event]]]:
-    if self.engine_gone.is_set() or self.stopping:
-      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+    self.check_serving()
     adapter = None if self._admin is None else serve_app.adapter_of(request, self.limits, score_prompt)
     request_id, self._next_id = self._next_id, self._next_id + 1
     jobs = [RemoteJob(self, request_id, c.index) for c in request.choices]
@@ -233,7 +228,7 @@ class FrontendServer(serve_app.HttpServer):
       if kind == "error":
         raise api.ApiError(500, f"generation failed: {message}", code="generation_failed")
       if kind == "gone":
-        raise api.ApiError(503, "the server is stopping", code="engine_gone")
+        raise serve_app.gone(message)
       if kind == "unknown":  # removed since the request was read here
         raise serve_app.unknown_adapter(message)
       raise serve_app.refusal(job_events.QueueFull(message) if kind == "full" else job_events.TooLarge(message))
@@ -242,7 +237,7 @@ class FrontendServer(serve_app.HttpServer):
   async def refresh(self) -> None:
     """The scheduler's figures, asked of the engine's process (one question for every caller waiting)."""
     if self.engine_gone.is_set():
-      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+      raise serve_app.gone()
     if self._loading is None:
       self._loading = asyncio.get_running_loop().create_future()
       self.send(("load",))
@@ -255,7 +250,7 @@ class FrontendServer(serve_app.HttpServer):
       raise api.ApiError(503, f"the engine's process did not answer for its load figures within {_LOAD_SECONDS} s",
                          code="engine_busy") from None
     if self.engine_gone.is_set():  # the question was ended by the engine's going, not answered: no figures
-      raise api.ApiError(503, "the server is stopping", code="engine_gone")
+      raise serve_app.gone()
 
   async def read(self, reader: asyncio.StreamReader) -> None:
     """Delivers the engine's messages until its end of file: each message's events go to each
@@ -313,17 +308,13 @@ class FrontendServer(serve_app.HttpServer):
       self._loading = None
 
   def end_open(self, message: str) -> None:
-    """Every request still open ends with an error (`message`: a stream's error event, then [DONE]), its
-    unfinished jobs cancelled in the engine's process (while it is there); later ones get a 503."""
-    self.stopping = True
+    """HttpServer.end_open, and a request still waiting for its admission is the same 503; the jobs are cancelled
+    in the engine's process while it is there."""
     for pending in self._requests.values():
       if not pending.admitted.done():
         pending.admitted.set_result(("gone", message))
-      open_jobs = [job for job in pending.jobs if not job.finished]
-      for job in open_jobs:
-        job.cancel()  # marks it finished; nothing is sent once the engine's process is gone
-      pending.queue.put_nowait([job_events.Done(job.index, "error", message) for job in open_jobs])
     self._requests.clear()
+    super().end_open(message)
 
   async def connect(self, channel: socket.socket) -> asyncio.StreamReader:
     reader, self._writer = await asyncio.open_unix_connection(sock=channel)
@@ -365,16 +356,9 @@ def main(argv: list[str]) -> int:
         uv.should_exit = True
         asyncio.get_running_loop().call_later(3.0, lambda: setattr(uv, "force_exit", True))
 
-    async def drain() -> None:  # SIGTERM: open requests get DRAIN_SECONDS, then end with an error, not a cut
-      while not uv.should_exit:
-        await asyncio.sleep(0.1)
-      await asyncio.sleep(DRAIN_SECONDS)
-      server.end_open("the server is stopping")
-
-    following, draining = asyncio.create_task(follow_engine()), asyncio.create_task(drain())
-    await uv.serve(sockets=[socket.socket(fileno=listen_fd)])
+    following = asyncio.create_task(follow_engine())
+    await serve_app.serve(uv, server, [socket.socket(fileno=listen_fd)])  # SIGTERM: the drain
     following.cancel()
-    draining.cancel()
 
   with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
     runner.run(serve())

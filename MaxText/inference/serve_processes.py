@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from MaxText.errors import UserError
-from MaxText.inference import grammar, lora_admin
+from MaxText.inference import grammar, job_events, lora_admin
 from MaxText.inference import scheduler as sched
 from MaxText.inference.serve_frontend import FrontSpec, frame, read_payload
 
@@ -223,16 +223,17 @@ class _Link:
         with _GRAMMARS_LOCK:
           compiler = self.grammars()
       jobs = []
-      for index, prompt, max_tokens, row, images in choices:
+      scoring = job_events.scoring([(c[0], c[1]) for c in choices], score_prompt)  # one job per prompt scores it
+      for (index, prompt, max_tokens, row, images), scores in zip(choices, scoring):
         constraint = None
         if compiler is not None and grammar_text is not None:
           constraint = grammar.Grammar(grammar_text, compiler.tokenizer, compiler.vocab_size).constraint()
         if registry is None or adapter is None:
-          jobs.append(sched.Job(index, prompt, max_tokens, row, emit, score_prompt, images=images,
+          jobs.append(sched.Job(index, prompt, max_tokens, row, emit, scores, images=images,
                                 constraint=constraint, top_logprobs=top_logprobs))
         else:
           jobs.append(sched.Job(index, prompt, max_tokens, dataclasses.replace(row, adapter=row_of),
-                                registry.releasing(adapter, emit), score_prompt, images=images,
+                                registry.releasing(adapter, emit), scores, images=images,
                                 constraint=constraint, cache_key=key, top_logprobs=top_logprobs))
     except Exception as e:  # noqa: BLE001 - the request fails (a 500), not the front end's channel
       release()

@@ -48,18 +48,32 @@ def _choices(server: "Server", request: api.Request, chat: bool = False) -> dict
 Unit = job_events.Event  # what one chunk of a stream answers
 
 
-def _units(events: list[job_events.Event]) -> list[Unit]:
+def _units(events: list[job_events.Event], sharing: dict[int, list[int]] | None = None) -> list[Unit]:
   """`events` with one choice's consecutive runs of tokens merged into one: their text goes out in one
-  chunk (the events that reached the stream together)."""
+  chunk (the events that reached the stream together). A prompt's scores go to every choice in `sharing` (the
+  choice that scored it -> the choices with its prompt, job_events.prompt_owners), as if each had scored it: the
+  first with a prompt is admitted first, so its scores still come before any of the others' tokens."""
   units: list[Unit] = []
   for event in events:
     last = units[-1] if units else None
     if isinstance(event, job_events.Tokens) and isinstance(last, job_events.Tokens) and last.index == event.index:
       units[-1] = job_events.Tokens(event.index, last.tokens + event.tokens, last.logprobs + event.logprobs,
                                     last.tops + event.tops)
+    elif isinstance(event, job_events.PromptScores) and sharing and event.index in sharing:
+      units += [job_events.PromptScores(index, event.logprobs, event.top) for index in sharing[event.index]]
     else:
       units.append(event)
   return units
+
+
+def _sharing(request: api.Request, score_prompt: bool) -> dict[int, list[int]]:
+  """_units' `sharing` of a request: the choice that scores each prompt -> the choices with that prompt."""
+  if not score_prompt:
+    return {}
+  sharing: dict[int, list[int]] = {}
+  for index, owner in job_events.prompt_owners((c.index, c.prompt) for c in request.choices).items():
+    sharing.setdefault(owner, []).append(index)
+  return sharing
 
 
 def _index(unit: Unit) -> int:
@@ -98,30 +112,30 @@ def _alternative(server: "Server", texts: api.TokenTexts, first: int) -> Callabl
   return lambda i, token: api.alternative_text(server.codec.decode, texts.previous(first + i), token, server.token_text)
 
 
-def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, generated: bool = True) -> dict[str, Any]:
-  """The choice's logprobs object (with echo, the prompt's tokens first; `generated` False: the prompt's alone); each
-  token's text is as it stands in the text, so that they join to it."""
-  texts: list[str] = []
-  tokens: list[int] = []
-  lps: list[float | None] = []
-  tops: list[list[tuple[int, float]] | None] = []
+def _prompt_logprobs(server: "Server", choice: _Choice, how_many: int) -> dict[str, Any]:
+  """The logprobs object of an echoed prompt (its first token has no score); each token's text is as it stands in
+  the prompt's text, so that they join to it. Its choices share one (their scores are one prompt's)."""
+  assert choice.prompt_scores is not None
   prompt = _texts(server, ())
-  if echo and choice.prompt_scores is not None:
-    texts, tokens = prompt.add(choice.prompt) + prompt.finish(), list(choice.prompt)
-    lps = [None] + list(choice.prompt_scores.logprobs[1:])
-    tops = [None] + list(choice.prompt_scores.top[1:])
-  own, echoed = _texts(server, choice.prompt[-1:]), len(texts)
-  if generated:
-    texts += own.add(choice.tokens) + own.finish()
-    tokens += choice.tokens
-    lps += choice.logprobs
-    tops += choice.tops
-  in_prompt, in_own = _alternative(server, prompt, 0), _alternative(server, own, 0)
+  scores = choice.prompt_scores
+  return api.completion_logprobs(prompt.add(choice.prompt) + prompt.finish(), choice.prompt,
+                                 [None, *scores.logprobs[1:]], [None, *scores.top[1:]], how_many,
+                                 _alternative(server, prompt, 0))
 
-  def alternative(i: int, token: int) -> str:
-    return in_prompt(i, token) if i < echoed else in_own(i - echoed, token)
 
-  return api.completion_logprobs(texts, tokens, lps, tops, how_many, alternative)
+def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, echoed: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+  """The choice's logprobs object: with echo, the prompt's first (`echoed`, else _prompt_logprobs made here), then
+  its own tokens', whose texts join to its text."""
+  if not echo or choice.prompt_scores is None:
+    echoed = None
+  elif echoed is None:
+    echoed = _prompt_logprobs(server, choice, how_many)
+  own = _texts(server, choice.prompt[-1:])
+  start = sum(len(text) for text in echoed["tokens"]) if echoed is not None else 0
+  generated = api.completion_logprobs(own.add(choice.tokens) + own.finish(), choice.tokens, choice.logprobs,
+                                      choice.tops, how_many, _alternative(server, own, 0), start)
+  return generated if echoed is None else {key: echoed[key] + generated[key] for key in generated}
 
 
 def _usage(request: api.Request, choices: dict[int, _Choice]) -> dict[str, int]:
@@ -155,13 +169,14 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     finished choices by index."""
     jobs, queue = await server.admit(request, score_prompt=score_prompt)
     events = server.events(jobs, queue, http.is_disconnected, route=http.scope["path"])
+    sharing = _sharing(request, score_prompt)
     if request.stream:
-      return streaming_response(_stream(server, request, jobs, events, sse, chat=chat),
+      return streaming_response(_stream(server, request, jobs, events, sse, chat=chat, sharing=sharing),
                                 media_type="text/event-stream")
     choices = _choices(server, request, chat)
     async with contextlib.aclosing(events):
       async for batch in events:
-        for unit in _units(batch):
+        for unit in _units(batch, sharing):
           _apply(unit, choices[_index(unit)], jobs[_index(unit)])
     return choices
 
@@ -179,11 +194,18 @@ def add_routes(app: FastAPI, server: "Server", json_response: Any, streaming_res
     if not isinstance(choices, dict):
       return choices  # the stream
     out = []
+    owners = job_events.prompt_owners((c.index, c.prompt) for c in request.choices) if request.echo else {}
+    echoes: dict[int, tuple[str, dict[str, Any] | None]] = {}  # by owner: its prompt's text and logprobs
     for index, choice in sorted(choices.items()):
-      prompt_text = server.codec.decode(choice.prompt) if request.echo else ""
+      prompt_text, echoed = "", None
+      if request.echo:
+        if owners[index] not in echoes:
+          echoes[owners[index]] = (server.codec.decode(choice.prompt), None if request.logprobs is None or
+                           choice.prompt_scores is None else _prompt_logprobs(server, choice, request.logprobs))
+        prompt_text, echoed = echoes[owners[index]]
       logprobs = None
       if request.logprobs is not None:
-        logprobs = _logprobs(server, choice, request.logprobs, request.echo)
+        logprobs = _logprobs(server, choice, request.logprobs, request.echo, echoed)
       out.append({"index": index, "text": prompt_text + choice.text.text, "logprobs": logprobs,
                   "finish_reason": choice.finish_reason})
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
@@ -244,10 +266,11 @@ def _with_calls(finish_reason: str | None) -> str | None:
 
 async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_events.JobHandle],
                   events: AsyncGenerator[list[job_events.Event], None], sse: Callable[[Any], str],
-                  chat: bool) -> AsyncIterator[str]:
+                  chat: bool, sharing: dict[int, list[int]] | None = None) -> AsyncIterator[str]:
   """Server-sent events: a chunk per piece of text (the tokens of a choice that arrived together,
   with their logprobs, one entry per token), a last chunk per choice with its finish_reason, the
-  usage when stream_options asks for it, then [DONE]. An error mid-stream is sent as an error event."""
+  usage when stream_options asks for it, then [DONE]. An error mid-stream is sent as an error event.
+  `sharing`: _units' (the choices that share a prompt's scores)."""
   kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
   head: dict[str, Any] = {"id": _new_id(prefix), "object": kind, "created": int(time.time()),
                           "model": request.model or server.limits.model_name}
@@ -258,6 +281,8 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
   offsets = dict.fromkeys(choices, 0)  # text_offset counts from the choice's start, as unstreamed, not a chunk's
   token_texts = {index: _texts(server, choice.prompt[-1:]) for index, choice in choices.items()}
   logged = dict.fromkeys(choices, 0)  # tokens whose logprobs entries went out
+  owner = {index: first for first, indices in (sharing or {}).items() for index in indices}
+  echoes: dict[int, tuple[str, dict[str, Any]]] = {}  # by owner: its prompt's text and logprobs
 
   def chunk(index: int, text: str | None, finish_reason: str | None, logprobs: Any = None) -> str:
     if chat:
@@ -282,8 +307,10 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
     logprobs = None
     if request.logprobs is not None and not chat:
       if isinstance(unit, job_events.PromptScores) and request.echo:
-        logprobs = _logprobs(server, choice, request.logprobs, echo=True, generated=False)
-        delta = server.codec.decode(choice.prompt)
+        key = owner.get(index, index)
+        if key not in echoes:
+          echoes[key] = (server.codec.decode(choice.prompt), _prompt_logprobs(server, choice, request.logprobs))
+        delta, logprobs = echoes[key]
       else:  # the entries of the tokens whose text is settled (a character's last byte settles its first)
         texts = token_texts[index]
         settled = texts.add(choice.tokens[had:]) + (texts.finish() if isinstance(unit, job_events.Done) else [])
@@ -321,7 +348,7 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
   try:
     async with contextlib.aclosing(events):  # closing it cancels the jobs (a client that went away)
       async for batch in events:
-        for unit in _units(batch):
+        for unit in _units(batch, sharing):
           lines += answer(unit)
         if lines and any(choice.finish_reason is None for choice in choices.values()):
           yield "".join(lines)

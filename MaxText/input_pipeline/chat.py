@@ -269,7 +269,7 @@ def load_chat_tokenizer(tokenizer_path: str, require_template: bool = True,
   if not storage.is_file(tokenizer_file):
     raise ConfigError(f"{needs} needs a Hugging Face tokenizer directory; {tokenizer_file} does not exist")
   special = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-  backend = read_hf_tokenizer(tokenizer_file, tokenizer_path)
+  backend = read_hf_tokenizer(tokenizer_file, tokenizer_path, config)
   config_special_tokens(backend, tokenizer_file, config_file, config)
   with _TRANSFORMERS_LOCK:
     tokenizer = transformers.PreTrainedTokenizerFast(

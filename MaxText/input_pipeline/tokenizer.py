@@ -16,7 +16,7 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from MaxText.paths import storage
 from MaxText.configuration.data_config import TOKENIZER_TYPES
@@ -142,13 +142,14 @@ class HuggingFaceTokenizer:
       hint = (f"; it holds {model}: tokenizer_type=sentencepiece tokenizer_path={model}" if storage.is_file(model)
               else "; point tokenizer_path at the folder with the model's tokenizer.json")
       raise ConfigError(f"tokenizer_path {path} has no tokenizer.json{hint}")
-    self._tok = read_hf_tokenizer(file, path)
+    config_path = storage.join(storage.parent(file), "tokenizer_config.json")
+    config = read_tokenizer_config(config_path)
+    self._tok = read_hf_tokenizer(file, path, config)
     # A special token's spelling in a document or a prompt ("</s>" in web text) is data, as in the other two
     # kinds; text that needs control tokens (a chat template's) goes through input_pipeline/chat.py.
     self._tok.encode_special_tokens = True
     self.vocab_size = hf_vocab_size(self._tok)
-    config = storage.join(storage.parent(file), "tokenizer_config.json")
-    bos, eos = config_special_tokens(self._tok, file, config, read_tokenizer_config(config))
+    bos, eos = config_special_tokens(self._tok, file, config_path, config)
     self.bos_id = self._tok.token_to_id(bos) if bos else None
     self.eos_id = self._tok.token_to_id(eos) if eos else None
 
@@ -184,9 +185,11 @@ def token_text(value: object) -> str | None:
   return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-def read_hf_tokenizer(file: str, path: str) -> Any:
-  """`file`, a tokenizer.json, as a `tokenizers.Tokenizer`; one ConfigError line naming it when it is not one
-  (the library raises its own untyped exception, and decoding a file that is not UTF-8 a UnicodeDecodeError)."""
+def read_hf_tokenizer(file: str, path: str, config: Mapping[str, Any] | None = None) -> Any:
+  """`file`, a tokenizer.json, as a `tokenizers.Tokenizer` with the added tokens of the tokenizer_config.json beside
+  it (`config`, that file's content, when the caller has read it); one ConfigError line naming the file when it is
+  not one (the library raises its own untyped exception, and decoding a file that is not UTF-8 a
+  UnicodeDecodeError)."""
   from tokenizers import Tokenizer as HFTokenizer
 
   try:
@@ -197,7 +200,47 @@ def read_hf_tokenizer(file: str, path: str) -> Any:
                       ) from None
   if not backend.get_vocab_size(with_added_tokens=False):  # else every text fails to encode, mid-run
     raise ConfigError(f"tokenizer_path {path}: {file} has an empty vocabulary; give the model's own tokenizer.json")
+  config_path = storage.join(storage.parent(file), "tokenizer_config.json")
+  _add_config_tokens(backend, file, config_path, read_tokenizer_config(config_path) if config is None else config)
   return backend
+
+
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _add_config_tokens(backend: Any, file: str, config_path: str, config: Mapping[str, Any]) -> None:
+  """The tokens of tokenizer_config.json's added_tokens_decoder that tokenizer.json's added_tokens lack, added as
+  transformers adds them when it loads the pair (in id order; a spelling the vocabulary holds keeps its id, a new
+  one takes the next): they were ignored, so such a token was split into pieces and its id never produced. Each
+  must then have the id the config gives it; transformers silently keeps the one it got, an id the model never
+  learned for that token."""
+  entries = config.get("added_tokens_decoder")
+  if not entries:
+    return
+  if not isinstance(entries, dict):
+    raise ConfigError(f"{config_path}'s added_tokens_decoder is a {type(entries).__name__}, not an object of ids to "
+                      "tokens; replace it with the model's own tokenizer_config.json")
+  from tokenizers import AddedToken
+
+  tokens: list[tuple[int, Any]] = []
+  for key, entry in entries.items():
+    try:  # an entry is AddedToken's fields ("__type" beside them in older saves)
+      tokens.append((int(key), AddedToken(**{k: v for k, v in entry.items() if k in _ADDED_TOKEN_FIELDS})))
+    except (ValueError, TypeError, AttributeError) as e:
+      raise ConfigError(f"{config_path}'s added_tokens_decoder entry {str(key)[:40]!r} is not an id and a token "
+                        f"({type(e).__name__}); replace it with the model's own tokenizer_config.json") from None
+  tokens.sort(key=lambda item: item[0])
+  fields = lambda t: tuple(getattr(t, name) for name in _ADDED_TOKEN_FIELDS)  # noqa: E731
+  held = {fields(t) for t in backend.get_added_tokens_decoder().values()}
+  before = {t.content: backend.token_to_id(t.content) for _, t in tokens}
+  backend.add_tokens([t for _, t in tokens if fields(t) not in held])
+  for index, token in tokens:
+    got = backend.token_to_id(token.content)
+    if got != index:
+      how = f"{file} holds it as id {got}" if before[token.content] is not None else \
+          f"added to {file} it gets id {got} (the next free one)"
+      raise ConfigError(f"{config_path}'s added_tokens_decoder gives {token.content!r} id {index}, but {how}: the two "
+                        "files are from different tokenizers; use the model's own pair")
 
 
 def hf_vocab_size(backend: Any) -> int:

@@ -2,8 +2,9 @@
 partition of the parameters into trained and frozen (optimizers.Updater).
 
 One step: loss and gradients of the trainable parameters (accumulated over micro-batches) →
-divided by the objective's divisor → the optimizer's update and the model's own post-update rule,
-kept only if the step is finite and under the spike limit → metrics.
+divided by the objective's divisor (with float16 parameters, each micro-batch's loss before it is
+differentiated) → the optimizer's update and the model's own post-update rule, kept only if the step is
+finite and under the spike limit → metrics.
 """
 
 from __future__ import annotations
@@ -37,16 +38,30 @@ def _balanced(config: Config) -> Callable[[Batch], Batch]:
 
 def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, params: Params, context: Params | None,
                     batch: Batch, dropout_rng: jax.Array | None) -> tuple[Params, Metrics]:
-  """Gradients of the trainable parameters (the partition's: all of them, or with LoRA only the
-  adapters, whose base weights' gradients are never computed) and the objective's summed metrics."""
+  """Gradients of the objective's mean loss (its sum over its divisor) for the trainable parameters (the
+  partition's: all of them, or with LoRA only the adapters, whose base weights' gradients are never computed)
+  and the objective's summed metrics.
+
+  With float16 parameters each micro-batch's summed loss is divided by its own divisor before it is
+  differentiated, and the accumulated gradients by the batch's in float32: the gradient of a sum over many
+  tokens passes float16's largest value (65504) long before the mean's does. Other dtypes keep the sum's
+  gradient (their range holds it), so their results are unchanged."""
   partition = setup.updater.partition
   params, frozen = partition.split(params)
   balance = _balanced(config)
-  grad_fn = jax.grad(lambda p, b, r: objective.loss_sums(partition.combine(p, frozen), context, balance(b), r),
-                     has_aux=True)
+  per_token = any(p.dtype == jnp.float16 for p in jax.tree.leaves(params))
+
+  def loss_and_sums(p: Params, b: Batch, r: jax.Array | None) -> tuple[jax.Array, Metrics]:
+    loss, sums = objective.loss_sums(partition.combine(p, frozen), context, balance(b), r)
+    return (loss / jax.lax.stop_gradient(objective.divisor(sums)) if per_token else loss), sums
+
+  grad_fn = jax.grad(loss_and_sums, has_aux=True)
   num_micro = config.optim.gradient_accumulation_steps
   if num_micro == 1:
-    return grad_fn(params, batch, dropout_rng)
+    grads, sums = grad_fn(params, batch, dropout_rng)
+    if per_token:  # already the mean's; float32 as the division below gives the other dtypes
+      return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
+    return _divided(grads, objective.divisor(sums)), sums
 
   micro_batches = microbatches.split(batch, num_micro)
   rngs = jax.random.split(dropout_rng, num_micro) if dropout_rng is not None else None
@@ -55,15 +70,24 @@ def _grads_and_sums(setup: StateSetup, objective: Objective, config: Config, par
     grads_acc, sums_acc = carry
     micro_batch, rng = xs
     grads, sums = grad_fn(params, micro_batch, rng)
-    grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+    weight = objective.divisor(sums) if per_token else None  # back to the micro-batch's sum, in float32
+    grads_acc = jax.tree.map(lambda a, g: a + (g.astype(jnp.float32) if weight is None else
+                                               g.astype(jnp.float32) * weight), grads_acc, grads)
     return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
 
   zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   first = jax.tree.map(lambda x: x[0], (micro_batches, rngs))
   zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, *first)[1])
   (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (micro_batches, rngs))
+  if per_token:  # divided before any float16 cast: the sum itself may be past float16's range
+    return _divided(grads, objective.divisor(sums)), sums
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return grads, sums
+  return _divided(grads, objective.divisor(sums)), sums
+
+
+def _divided(grads: Params, divisor: jax.Array) -> Params:
+  """The gradients of a summed loss made the mean's: per target token, per preference pair, ..."""
+  return jax.tree.map(lambda g: g / divisor, grads)
 
 
 def _updates_done(opt_state: optax.OptState, otherwise: jax.Array) -> jax.Array:
@@ -88,8 +112,6 @@ def make_train_step(setup: StateSetup, objective: Objective, config: Config
     """One optimizer update: (new params, new optimizer state, the objective's sums, gradient norm)."""
     with sharding.activation_sharding(setup.on_mesh.mesh, config.mesh.logical_axis_rules):
       grads, sums = _grads_and_sums(setup, objective, config, params, context, batch, dropout_rng)
-    divisor = objective.divisor(sums)  # the loss is a mean: per target token, per preference pair, ...
-    grads = jax.tree.map(lambda g: g / divisor, grads)
     grad_norm = optax.tree.norm(grads)
     new_params, opt_state = updater.apply(grads, opt_state, params)
     return setup.on_mesh.spec.after_update(new_params, params, sums, num_micro), opt_state, sums, grad_norm

@@ -227,18 +227,6 @@ def test_refused_values():
     quantize_weight(jnp.ones((4, 4)), "int4", (0,))
 
 
-def test_quantize_weights_in_a_run_that_decodes_nothing_is_a_note():
-  """train.py with quantize_weights and an objective without rollouts trained float weights without a word
-  (a hurried user may have meant quantization=int8): now one note line; GRPO (rollouts) and "" say nothing."""
-  config = Config.for_testing(**TINY, quantize_weights="int8")
-  assert quantized_weights.training_note(config, uses_rollouts=False) == (
-      "note: quantize_weights=int8 stores the weights decode, serve and GRPO rollouts decode from; objective=lm "
-      "decodes nothing, so it is ignored here and the weights train in float (for int8 training matmuls set "
-      "quantization=int8)")
-  assert quantized_weights.training_note(config, uses_rollouts=True) is None
-  assert quantized_weights.training_note(Config.for_testing(**TINY), uses_rollouts=False) is None
-
-
 def test_rollout_weight_copies_are_converted_once_each():
   """GRPO: without a rollout mesh every step's policy is converted; on one, each copy once it is made."""
   config = Config.for_testing(**TINY, quantize_weights="int8")

@@ -1,12 +1,14 @@
 """serve_app's guard answers a POST to /v1/completions or /v1/chat/completions with the route's own
 function, without FastAPI's routing and middleware: the same status, headers and body as the app
 gives (a stream, a whole answer, a 400, a 503 with Retry-After), and the app still answers every
-other method there. No model: a fake server whose jobs' events are ready at submit."""
+other method there; a prompt scored once answers its choices as if each had scored it. No model: a fake server whose
+jobs' events are ready at submit."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +23,8 @@ CODEC = api.Codec(encode=lambda text: [ord(c) for c in text], decode=lambda ids:
 
 
 class _Job:
-  submitted = 0.0
+  def __init__(self) -> None:
+    self.submitted = time.monotonic()  # a request's deadline runs from its jobs' submission
 
   def cancel(self) -> None:
     pass
@@ -152,3 +155,51 @@ def test_a_compressed_body_is_a_415_naming_its_coding():
   status, _, _ = _answer(_call(_app(), "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3},
                                ((b"content-encoding", b"identity"),)))
   assert status == 200
+
+
+class _Scoring(_Server):
+  """Scores each prompt as the scheduler does for the server's jobs: a PromptScores event before the tokens of the
+  first choice with that prompt, none for the others (their job does not score it)."""
+
+  async def admit(self, request: api.Request, score_prompt: bool) -> Any:
+    jobs, tokens = await super().admit(request, score_prompt)
+    queue: asyncio.Queue[list[job_events.Event]] = asyncio.Queue()
+    first: dict[tuple[int, ...], int] = {}
+    for c in request.choices:
+      if score_prompt and first.setdefault(tuple(c.prompt), c.index) == c.index:
+        queue.put_nowait([job_events.PromptScores(c.index, [-0.1 * (t % 7) for t in c.prompt],
+                                                  [[(t, -0.1 * (t % 7)), (ord("z"), -3.0)] for t in c.prompt])])
+      queue.put_nowait(tokens.get_nowait())
+      queue.put_nowait(tokens.get_nowait())
+    return jobs, queue
+
+
+def test_a_prompt_scored_once_answers_each_of_its_choices_as_a_choice_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Echo with logprobs, n=2 and a prompt listed twice, the prompt scored by one job per prompt: each choice's answer,
+  whole or its streamed chunks, is byte for byte that of its prompt alone with n=1 (before, the choices whose job did
+  not score the prompt came back without its entries)."""
+  monkeypatch.setattr(serve_routes, "_new_id", lambda prefix: f"{prefix}-1")
+  monkeypatch.setattr("time.time", lambda: 1700000000.0)
+
+  def answer(prompt: Any, n: int, stream: bool) -> dict[int, list[str]]:
+    """Each choice's JSON (whole) or chunks (streamed), its index read as 0."""
+    server = _Scoring(CODEC, api.Limits("tiny", 256, 32, 64, 16, 8), serve_metrics.ServeMetrics(lambda: {}))
+    body = {"prompt": prompt, "max_tokens": 3, "n": n, "echo": True, "logprobs": 1, "stream": stream}
+    status, _, payload = _answer(_call(serve_app.build_app(server, api_key=""), "POST", "/v1/completions", body))
+    assert status == 200, payload
+    out: dict[int, list[str]] = {}
+    if not stream:
+      for choice in json.loads(payload)["choices"]:
+        out[choice["index"]] = [json.dumps({**choice, "index": 0})]
+      return out
+    for line in payload.decode().splitlines():  # one choice per chunk
+      if line.startswith("data: {"):
+        [choice] = json.loads(line[len("data: "):])["choices"]
+        index = choice["index"]
+        out.setdefault(index, []).append(line.replace(f'"choices":[{{"index":{index},', '"choices":[{"index":0,'))
+    return out
+
+  for stream in (False, True):
+    ab, cd = answer("ab", 1, stream)[0], answer("cd", 1, stream)[0]
+    assert any('"tokens":["a","b"' in piece.replace(" ", "") for piece in ab)  # the echoed prompt's entries
+    assert answer(["ab", "cd", "ab"], 2, stream) == {0: ab, 1: ab, 2: cd, 3: cd, 4: ab, 5: ab}

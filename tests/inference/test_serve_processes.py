@@ -404,6 +404,135 @@ def test_a_request_waiting_for_its_admission_when_the_engine_goes_is_a_503_serve
     assert error.status == 503 and error.body()["error"]["code"] == "engine_gone", error.body()
 
 
+def test_a_requests_deadline_runs_from_its_submission_not_again_from_its_admission():
+  """serve_request_timeout_seconds bounds a request once, from its submission, as in one process: admitted late and
+  then given no events, it is a 504 at that deadline. Before, the wait for its events had a deadline of its own from
+  the admission, so a request could take twice the timeout."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import openai_api as api
+  from MaxText.inference import serve_frontend
+
+  ours, theirs = socket.socketpair()
+  timeout = 2.0
+  server = serve_frontend.FrontendServer(types.SimpleNamespace(limits=None, request_timeout_seconds=timeout),
+                                         types.SimpleNamespace())
+  request = types.SimpleNamespace(choices=[types.SimpleNamespace(index=0, prompt=[1], max_tokens=2, row=0,
+                                                                 images=None)], grammar=None, logprobs=None)
+
+  async def connected() -> bool:
+    return False
+
+  async def ask() -> tuple[api.ApiError, float]:
+    following = asyncio.create_task(server.read(await server.connect(ours)))
+    start = time.monotonic()
+    admitting = asyncio.create_task(server.admit(request, False))
+    submit = await asyncio.to_thread(serve_frontend.read_frame, theirs)
+    await asyncio.sleep(start + 0.75 * timeout - time.monotonic())
+    theirs.sendall(serve_frontend.frame([("admit", submit[1], None)]))  # admitted; then no event comes
+    jobs, queue = await asyncio.wait_for(admitting, 10)
+    with pytest.raises(api.ApiError) as e:
+      async for _ in server.events(jobs, queue, connected):
+        pass
+    took = time.monotonic() - start
+    theirs.close()
+    await following
+    return e.value, took
+
+  error, took = asyncio.run(ask())
+  assert error.status == 504 and error.body()["error"]["code"] == "timeout", error.body()
+  assert timeout <= took < 1.5 * timeout, took  # before: 1.75 x the timeout
+
+
+def _asgi_post(app, path: str, body: dict) -> "asyncio.Future":
+  """The app's answer to a POST (status, body bytes) on the running event loop; the client stays connected."""
+  import asyncio
+
+  scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+           "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+           "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+           "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+  payload, sent = json.dumps(body).encode(), []
+
+  async def receive() -> dict:
+    if not sent and payload:
+      sent.append({"type": "received"})
+      return {"type": "http.request", "body": payload, "more_body": False}
+    await asyncio.sleep(3600)
+    return {"type": "http.disconnect"}
+
+  async def send(message: dict) -> None:
+    sent.append(message)
+
+  async def answer() -> tuple[int, bytes]:
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+  return asyncio.ensure_future(answer())
+
+
+def test_requests_open_when_the_engine_goes_are_a_503_engine_gone_or_a_streams_error_event():
+  """The engine's process gone while a front end's requests are admitted and decoding: an unstreamed one is a 503
+  engine_gone (as /health says), a stream ends with that error event and [DONE]. Before, the unstreamed one was a
+  500 generation_failed."""
+  import asyncio
+  import socket
+  import types
+
+  from MaxText.inference import job_events, serve_app, serve_frontend
+  from MaxText.inference import openai_api as api
+
+  ours, theirs = socket.socketpair()
+  codec = api.Codec(encode=lambda text: [ord(c) for c in text], decode=lambda ids: "".join(map(chr, ids)),
+                    chat=lambda messages: [1])
+  spec = types.SimpleNamespace(limits=api.Limits("tiny", 256, 16, 32, 8, 2), request_timeout_seconds=30)
+  server = serve_frontend.FrontendServer(spec, codec)
+  app = serve_app.build_app(server, api_key="")
+
+  async def ask() -> list[tuple[int, bytes]]:
+    following = asyncio.create_task(server.read(await server.connect(ours)))
+    answers = [_asgi_post(app, "/v1/completions", {"prompt": "ab", "max_tokens": 8, "stream": stream})
+               for stream in (False, True)]
+    for _ in answers:
+      submit = await asyncio.to_thread(serve_frontend.read_frame, theirs)
+      theirs.sendall(serve_frontend.frame([("admit", submit[1], None),
+                                           ("event", submit[1], job_events.Tokens(0, [ord("c")], [-0.5], [[]]))]))
+    await asyncio.sleep(0.2)
+    theirs.close()
+    out = [await asyncio.wait_for(answer, 10) for answer in answers]
+    await following
+    return out
+
+  (status, whole), (stream_status, stream) = asyncio.run(ask())
+  assert status == 503 and json.loads(whole)["error"]["code"] == "engine_gone", whole
+  events = [line for line in stream.decode().splitlines() if line]
+  assert stream_status == 200 and events[-1] == "data: [DONE]", events
+  assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_gone", events
+
+
+def test_the_choices_of_one_prompt_score_it_once():
+  """Echo with logprobs and n > 1 (or a prompt listed twice): only the first choice with a prompt scores it, the
+  others share its scores (serve_routes). Before, every choice's job scored the prompt again."""
+  import socket
+  import types
+
+  from MaxText.inference import serve_frontend
+
+  submitted: list = []
+  ours, theirs = socket.socketpair()
+  theirs.settimeout(10)
+  scheduler = types.SimpleNamespace(load=lambda: {}, submit=submitted.extend)
+  serve_processes._Link(0, ours, scheduler, None, threading.Event()).start()
+  prompts = [[1, 2], [1, 2], [3], [3], [1, 2]]
+  theirs.sendall(serve_frontend.frame(("submit", 0, [(i, p, 0, 0, None) for i, p in enumerate(prompts)], True, None)))
+  assert serve_frontend.read_frame(theirs) == [("admit", 0, None)]
+  assert [job.score_prompt for job in submitted] == [True, False, True, False, False]
+  theirs.close()
+
+
 def test_a_submit_says_whether_its_jobs_tokens_carry_their_top_alternatives():
   """The front end sends whether the request asked for logprobs >= 1; the engine's jobs carry it
   (Job.top_logprobs: without, the scheduler neither reads nor sends the alternatives), a submit without
@@ -714,27 +843,50 @@ def test_load_figures_asked_when_the_engine_goes_are_a_503_not_the_last_figures(
   assert error.status == 503 and error.body()["error"]["code"] == "engine_gone", error.body()
 
 
-@pytest.mark.slow  # a server with room for a long stream
-def test_sigterm_ends_an_open_stream_with_an_error_event_and_done(endless_tokenizer):
-  """SIGTERM to the engine's process while a stream is open: the front end lets it run serve_frontend.DRAIN_SECONDS,
-  then ends it with an error event and [DONE] (its job cancelled), and every process exits with 0. Before, the front
-  end waited until the engine's process killed it 10 s after the signal: the client's stream was cut mid-answer
-  ("incomplete chunked read")."""
-  server = CliServer(endless_tokenizer, 1, max_target_length=32768, max_prefill_predict_length=32,
-                     serve_max_tokens=32000, serve_max_slots=1)
+@pytest.mark.slow  # a server with room for long answers
+@pytest.mark.parametrize("processes", [0, 1])
+def test_sigterm_ends_open_requests_with_an_error_after_the_drain(endless_tokenizer, processes):
+  """SIGTERM while a long stream and a long unstreamed request are open: the server (its front end, or in one process
+  the engine's) lets them run serve_app.DRAIN_SECONDS, then ends the stream with an error event and [DONE] and the
+  other with a 503 engine_gone (their jobs cancelled), and every process exits. Before, a front end waited until the
+  engine's process killed it 10 s after the signal (the stream cut mid-answer, "incomplete chunked read"), and the
+  one-process server waited for ever: uvicorn's graceful shutdown has no time limit."""
+  from MaxText.inference import serve_app
+
+  server = CliServer(endless_tokenizer, processes, max_target_length=32768, max_prefill_predict_length=32,
+                     serve_max_tokens=32000, serve_max_slots=2)
+  headers = {"Authorization": f"Bearer {KEY}"}
+  body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 32000}
+  unstreamed: list = []
   try:
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 32000, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+    waiting = threading.Thread(target=lambda: unstreamed.append(
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)))
+    waiting.start()
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, headers=headers,
                       timeout=60) as stream:
       lines = stream.iter_lines()
       assert next(lines).startswith("data: ")
+      deadline = time.monotonic() + 60
+      while httpx.get(f"{server.url}/health", timeout=10).json()["slots_in_use"] < 2:  # both decoding
+        assert time.monotonic() < deadline, "the unstreamed request did not start"
+        time.sleep(0.1)
       front_ends = server.front_ends()
       server.process.send_signal(signal.SIGTERM)
-      tail = [line for line in lines if line][-2:]  # RemoteProtocolError before: the stream was cut
+      stopped = time.monotonic()
+      tail: list[str] = []
+      for line in lines:  # RemoteProtocolError before for a front end: the stream was cut
+        if line:
+          tail = [*tail[-1:], line]
+        # Before, in one process: the stream went on until its 32000 tokens.
+        assert time.monotonic() - stopped < serve_app.DRAIN_SECONDS + 30, "the stream outlived the drain"
     assert tail[-1] == "data: [DONE]", tail
     error = json.loads(tail[0][len("data: "):])["error"]
-    assert error["code"] == "generation_failed" and "the server is stopping" in error["message"], error
-    assert server.process.wait(60) == 0
+    assert error["code"] == "engine_gone" and "the server is stopping" in error["message"], error
+    waiting.join(60)
+    [answer] = unstreamed
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_gone", answer.text
+    # One process: uvicorn re-raises the SIGTERM it caught once it has stopped.
+    assert server.process.wait(60) in ((0, -signal.SIGTERM) if processes == 0 else (0,))
     for pid in front_ends:
       assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
   finally:

@@ -127,3 +127,69 @@ def test_train_tokenizer_reads_json_lines_or_names_the_line_it_cannot(tmp_path):
     with pytest.raises(UserError) as raised:
       list(train_tokenizer.iterate_lines([str(tmp_path / name)], "text", 100))
     assert str(raised.value).startswith(f"{tmp_path / name} {problem}"), str(raised.value)
+
+
+def _with_config_tokens(directory, entries):
+  """tokenizer_config.json of `directory` given added_tokens_decoder entries {id: (content, special)}, as
+  transformers writes them; tokenizer.json left as it is."""
+  config = json.loads((directory / "tokenizer_config.json").read_text())
+  config["added_tokens_decoder"] = {str(i): {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+                                             "single_word": False, "special": special}
+                                    for i, (content, special) in entries.items()}
+  (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_tokens_only_tokenizer_config_adds_are_read_as_transformers_reads_them(tmp_path):
+  """A token listed only in tokenizer_config.json's added_tokens_decoder (not in tokenizer.json's added_tokens) was
+  ignored: split into bytes, its id never produced, vocab_size short of it. transformers adds it; so do both the
+  document tokenizer and the chat tokenizer, with the same ids."""
+  import transformers
+  from tokenizers import Tokenizer
+
+  from MaxText.input_pipeline import chat
+  from tests.input_pipeline.sft_fixtures import CHATML, write_tokenizer
+
+  directory = write_tokenizer(tmp_path / "tok", CHATML)
+  n = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+  # transformers also lists tokenizer.json's own added tokens there (<|im_start|> is id 3).
+  _with_config_tokens(directory, {3: ("<|im_start|>", True), n: ("<tool_call>", True), n + 1: ("<think>", False)})
+  reference = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+  text = "the fox <tool_call> jumps <think> over <|im_start|> a dog"
+  expected = reference(text, add_special_tokens=False)["input_ids"]
+  assert n in expected and n + 1 in expected  # the reference does add them
+
+  chat_tokenizer = chat.load_chat_tokenizer(str(directory))
+  assert chat_tokenizer(text, add_special_tokens=False)["input_ids"] == expected
+  assert ({i: (t.content, t.special) for i, t in chat_tokenizer.added_tokens_decoder.items()}  # type: ignore[attr-defined]
+          == {i: (t.content, t.special) for i, t in reference.added_tokens_decoder.items()})
+  assert chat_tokenizer.decode(expected, skip_special_tokens=True) == reference.decode(expected, skip_special_tokens=True)
+
+  documents = load_tokenizer("huggingface", str(directory))
+  assert documents.vocab_size == len(reference) == n + 2
+  # Documents read special spellings as text (tokenizer.py); the non-special added token is one token, as there.
+  plain = "the fox <think> over"
+  assert documents.encode(plain) == reference(plain, add_special_tokens=False)["input_ids"]
+  assert documents.special_id("<tool_call>") == n and documents.special_id("<think>") is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("entries, problem", [
+    ({300: ("<tool_call>", True)}, "gives '<tool_call>' id 300, but added to {file} it gets id {n}"),
+    ({3: ("<|im_end|>", True)}, "gives '<|im_end|>' id 3, but {file} holds it as id 4"),
+], ids=["past-the-next-id", "another-tokens-id"])
+def test_a_config_token_whose_id_disagrees_with_the_tokenizer_is_one_line(tmp_path, entries, problem):
+  """transformers gives such a token the id its tokenizer.json assigns, silently: ids the model did not learn."""
+  from tokenizers import Tokenizer
+
+  from MaxText.input_pipeline import chat
+  from tests.input_pipeline.sft_fixtures import write_tokenizer
+
+  directory = write_tokenizer(tmp_path / "tok", None)
+  n = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+  _with_config_tokens(directory, entries)
+  for load in (lambda: load_tokenizer("huggingface", str(directory)),
+               lambda: chat.load_chat_tokenizer(str(directory), require_template=False)):
+    with pytest.raises(ConfigError) as raised:
+      load()
+    message = str(raised.value)
+    assert f"{directory / 'tokenizer_config.json'}'s added_tokens_decoder" in message and "\n" not in message
+    assert problem.format(file=directory / "tokenizer.json", n=n) in message
