@@ -15,6 +15,7 @@ import pytest
 
 from MaxText import serve
 from MaxText.inference import job_events
+from MaxText.inference import choice_text
 from MaxText.inference import openai_api as api
 from MaxText.inference import serve_routes
 from MaxText.inference.row_params import RowParams
@@ -267,5 +268,5 @@ def test_logprobs_zero_decodes_no_alternative() -> None:
   def alternative(position: int, token: int) -> str:
     raise AssertionError(f"decoded an alternative at {position}: {token}")
 
-  out = api.completion_logprobs(["a", "b"], [5, 6], [-0.5, -0.25], [[(5, -0.5)], [(6, -0.25)]], 0, alternative)
+  out = choice_text.completion_logprobs(["a", "b"], [5, 6], [-0.5, -0.25], [[(5, -0.5)], [(6, -0.25)]], 0, alternative)
   assert out["top_logprobs"] == [{"a": -0.5}, {"b": -0.25}]

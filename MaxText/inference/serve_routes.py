@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request  # at module level: FastAPI resolves the ha
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from MaxText.inference import choice_text
 from MaxText.inference import openai_api as api
 from MaxText.inference import job_events
 from MaxText.inference import serve_metrics
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class _Choice:
   """One choice's progress: its text, the tokens with their scores, why it ended."""
-  text: api.ChoiceText
+  text: choice_text.ChoiceText
   prompt: list[int]
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -40,7 +41,7 @@ def _choices(server: "Server", request: api.Request, chat: bool = False) -> dict
   """A completion's text continues its prompt's (prompt + text is the whole text, a leading space kept); a chat's
   reply starts a message of its own."""
   stop_ids = server.codec.stop_ids(request.stop)
-  return {c.index: _Choice(api.ChoiceText(server.codec.decode, request.stop, stop_ids,
+  return {c.index: _Choice(choice_text.ChoiceText(server.codec.decode, request.stop, stop_ids,
                                           () if chat else c.prompt[-1:]), c.prompt)
           for c in request.choices}
 
@@ -103,13 +104,13 @@ def _apply(unit: Unit, choice: _Choice, job: job_events.JobHandle) -> str:
   return delta
 
 
-def _texts(server: "Server", context: Sequence[int]) -> api.TokenTexts:
-  return api.TokenTexts(server.codec.decode, context, server.token_text)
+def _texts(server: "Server", context: Sequence[int]) -> choice_text.TokenTexts:
+  return choice_text.TokenTexts(server.codec.decode, context, server.token_text)
 
 
-def _alternative(server: "Server", texts: api.TokenTexts, first: int) -> Callable[[int, int], str]:
+def _alternative(server: "Server", texts: choice_text.TokenTexts, first: int) -> Callable[[int, int], str]:
   """completion_logprobs' `alternative` for the tokens from the `first`-th of `texts`."""
-  return lambda i, token: api.alternative_text(server.codec.decode, texts.previous(first + i), token, server.token_text)
+  return lambda i, token: choice_text.alternative_text(server.codec.decode, texts.previous(first + i), token, server.token_text)
 
 
 def _prompt_logprobs(server: "Server", choice: _Choice, how_many: int) -> dict[str, Any]:
@@ -118,7 +119,7 @@ def _prompt_logprobs(server: "Server", choice: _Choice, how_many: int) -> dict[s
   assert choice.prompt_scores is not None
   prompt = _texts(server, ())
   scores = choice.prompt_scores
-  return api.completion_logprobs(prompt.add(choice.prompt) + prompt.finish(), choice.prompt,
+  return choice_text.completion_logprobs(prompt.add(choice.prompt) + prompt.finish(), choice.prompt,
                                  [None, *scores.logprobs[1:]], [None, *scores.top[1:]], how_many,
                                  _alternative(server, prompt, 0))
 
@@ -133,7 +134,7 @@ def _logprobs(server: "Server", choice: _Choice, how_many: int, echo: bool, echo
     echoed = _prompt_logprobs(server, choice, how_many)
   own = _texts(server, choice.prompt[-1:])
   start = sum(len(text) for text in echoed["tokens"]) if echoed is not None else 0
-  generated = api.completion_logprobs(own.add(choice.tokens) + own.finish(), choice.tokens, choice.logprobs,
+  generated = choice_text.completion_logprobs(own.add(choice.tokens) + own.finish(), choice.tokens, choice.logprobs,
                                       choice.tops, how_many, _alternative(server, own, 0), start)
   return generated if echoed is None else {key: echoed[key] + generated[key] for key in generated}
 
@@ -316,7 +317,7 @@ async def _stream(server: "Server", request: api.Request, jobs: Sequence[job_eve
         settled = texts.add(choice.tokens[had:]) + (texts.finish() if isinstance(unit, job_events.Done) else [])
         if settled:
           first, logged[index] = logged[index], logged[index] + len(settled)
-          logprobs = api.completion_logprobs(settled, choice.tokens[first:logged[index]],
+          logprobs = choice_text.completion_logprobs(settled, choice.tokens[first:logged[index]],
                                              choice.logprobs[first:logged[index]],
                                              list(choice.tops[first:logged[index]]), request.logprobs,
                                              _alternative(server, texts, first), offsets[index])

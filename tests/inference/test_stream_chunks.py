@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from MaxText import serve
+from MaxText.inference import choice_text
 from MaxText.inference import openai_api as api
 from MaxText.inference import scheduler as sched
 from MaxText.inference import serve_routes
@@ -187,9 +188,9 @@ def _bytes_text(ids: list[int]) -> str:
   return bytes(ids).decode("utf-8", errors="replace")
 
 
-def _streamed(tokens: list[int], stops: list[str], per_call: int) -> tuple[str, api.ChoiceText]:
+def _streamed(tokens: list[int], stops: list[str], per_call: int) -> tuple[str, choice_text.ChoiceText]:
   """The deltas a stream sends (`per_call` tokens arrive together) joined, and the choice's text."""
-  text, deltas = api.ChoiceText(_bytes_text, stops), []
+  text, deltas = choice_text.ChoiceText(_bytes_text, stops), []
   for at in range(0, len(tokens), per_call):
     deltas.append(text.add_many(tokens[at:at + per_call])[0] if per_call > 1 else text.add(tokens[at]))
     if text.stopped:
@@ -229,7 +230,7 @@ def test_characters_split_across_tokens_stream_the_unstreamed_text_and_stop_wher
 def test_a_stop_sequence_in_the_last_characters_ends_the_choice_with_stop():
   """A stop sequence that only the end of the choice settles (its last character U+FFFD) is cut there: finish_reason
   "stop", as it would be found mid-stream."""
-  choice = serve_routes._Choice(api.ChoiceText(_bytes_text, ["\ufffd"]), [5])
+  choice = serve_routes._Choice(choice_text.ChoiceText(_bytes_text, ["\ufffd"]), [5])
   job = _Job()
   assert serve_routes._apply(sched.Tokens(0, list(b"ab\x80"), [0.0] * 3, [[]] * 3), choice, job) == "ab"  # type: ignore[arg-type]
   assert serve_routes._apply(sched.Done(0, "length"), choice, job) == ""  # type: ignore[arg-type]
@@ -338,7 +339,7 @@ def test_a_choices_text_decodes_only_its_new_tokens_and_equals_the_whole_decode(
     at = int(rng.integers(0, max(len(expected), 1)))
     stops = [expected[at:at + int(rng.integers(1, 4))]] if trial % 3 and expected.strip("\ufffd") else []
     for per_call in (1, 3, 8):
-      text, deltas = api.ChoiceText(decode, stops, context=context), []
+      text, deltas = choice_text.ChoiceText(decode, stops, context=context), []
       for start in range(0, len(ids), per_call):
         deltas.append(text.add_many(ids[start:start + per_call])[0])
         if text.stopped:
@@ -352,13 +353,13 @@ def test_a_choices_text_decodes_only_its_new_tokens_and_equals_the_whole_decode(
         assert text.text == expected, (kind, context, ids, per_call)
   for _ in range(40):  # any ids, invalid byte runs too: what went out is the text
     ids = [int(i) for i in rng.integers(1, vocab, 30)]
-    text, deltas = api.ChoiceText(decode, [], context=ids[:1]), []
+    text, deltas = choice_text.ChoiceText(decode, [], context=ids[:1]), []
     deltas += [text.add_many(ids[start:start + 3])[0] for start in range(1, len(ids), 3)] + [text.flush()]
     assert "".join(deltas) == text.text, (kind, ids)
   long_ids = draw(3000)
   for stops in ([], ["\x00never"]):
     decoded[0] = 0
-    text = api.ChoiceText(decode, stops, context=long_ids[:1])
+    text = choice_text.ChoiceText(decode, stops, context=long_ids[:1])
     for token in long_ids[1:]:
       text.add_many([token])
     text.flush()
@@ -374,7 +375,7 @@ def test_an_event_is_json_whatever_its_text_and_an_infinite_logprob_reads_as_the
   for obj in ({"text": "caf\u00e9 \U0001F600", "n": [1, 2.5, None]}, {"text": "lone \ud800 surrogate"}):
     event = serve_app.sse(obj)
     assert event.startswith("data: ") and event.endswith("\n\n") and json.loads(event[6:]) == obj
-  out = api.completion_logprobs(["a", "b"], [1, 2], [float("-inf"), -0.5], [[(1, float("-inf"))], [(3, -0.1)]], 1,
+  out = choice_text.completion_logprobs(["a", "b"], [1, 2], [float("-inf"), -0.5], [[(1, float("-inf"))], [(3, -0.1)]], 1,
                                 lambda i, token: chr(96 + token))
   assert out["token_logprobs"] == [-9999.0, -0.5] and out["top_logprobs"] == [{"a": -9999.0}, {"c": -0.1, "b": -0.5}]
   json.loads(serve_app.sse(out)[6:], parse_constant=lambda name: pytest.fail(f"{name} in an event"))
@@ -397,10 +398,10 @@ def test_logprob_token_texts_read_a_one_token_run_from_the_servers_cache(kind: s
   for trial in range(31):
     ids = text_ids[:40] if trial == 30 else [int(i) for i in rng.integers(1, tokenizer.get_vocab_size(), 40)]  # type: ignore[attr-defined]
     decoded[0] = 0
-    plain = api.TokenTexts(decode, ids[:1])
+    plain = choice_text.TokenTexts(decode, ids[:1])
     expected = [t for at in range(1, 40, 5) for t in plain.add(ids[at:at + 5])] + plain.finish()
     before, decoded[0] = decoded[0], 0
-    cached = api.TokenTexts(decode, ids[:1], lambda t: cache.setdefault(t, tokenizer.decode([t])))  # type: ignore[attr-defined]
+    cached = choice_text.TokenTexts(decode, ids[:1], lambda t: cache.setdefault(t, tokenizer.decode([t])))  # type: ignore[attr-defined]
     got = [t for at in range(1, 40, 5) for t in cached.add(ids[at:at + 5])] + cached.finish()
     assert got == expected and decoded[0] < before, (ids, before, decoded[0])
     if trial == 30:  # a text's tokens: each its own settled run
