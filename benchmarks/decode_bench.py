@@ -90,7 +90,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--response_format", default="none", choices=("none", "json_schema"),
                       help="json_schema: also time decoding under a JSON schema (constrained decoding)")
   args = tool_args.parse_args(parser, argv, renamed=RENAMED)
-  from MaxText.configuration.config_groups import KV_CACHE_LAYOUTS, WEIGHT_QUANTIZATION_MODES  # noqa: PLC0415
+  from MaxText.configuration.decode_config import KV_CACHE_LAYOUTS, WEIGHT_QUANTIZATION_MODES  # noqa: PLC0415
   args.slots = bench_args.numbers("slots", args.slots, "1,8")
   args.layouts = bench_args.names("layouts", args.layouts, ("unrolled", "scanned"))
   args.caches = bench_args.names("caches", args.caches, KV_CACHE_LAYOUTS)

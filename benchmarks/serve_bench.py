@@ -560,7 +560,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   args.concurrency = bench_args.numbers("concurrency", args.concurrency, "1,4,16")
   # prompt_lengths stays as typed: the table's heading quotes it
   args.prompt_token_lengths = bench_args.numbers("prompt_lengths", args.prompt_lengths, "8,24")
-  from MaxText.configuration.config_groups import KV_CACHE_LAYOUTS  # noqa: PLC0415
+  from MaxText.configuration.decode_config import KV_CACHE_LAYOUTS  # noqa: PLC0415
   args.caches = bench_args.names("caches", args.caches, KV_CACHE_LAYOUTS)
   args.prefill_chunk_sizes = bench_args.numbers("prefill_chunk_sizes", args.prefill_chunk_sizes, "0,64", minimum=0)
   args.prefix_caching = _switches("prefix_caching", args.prefix_caching)

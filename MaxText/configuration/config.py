@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from MaxText.configuration import config_fields, config_groups, config_yaml, data_config, model_checks, spellings
+from MaxText.configuration import config_fields, config_groups, config_yaml, data_config, decode_config, model_checks, spellings
 from MaxText.configuration.config_yaml import read_yaml, shown as _shown
 from MaxText.configuration.config_yaml import size_problem as _too_large
 from MaxText.platform import accelerators
@@ -109,7 +109,7 @@ def _float(number: int | float) -> float | None:
 
 def coerce(key: str, value: Any, default: Any) -> Any:
   """Converts `value` (a YAML scalar/list or a command-line string) to the type of `default`."""
-  if key in config_groups.AUTO_SWITCHES and isinstance(value, (str, int)):  # auto | true | false, an old boolean
+  if key in decode_config.AUTO_SWITCHES and isinstance(value, (str, int)):  # auto | true | false, an old boolean
     text = str(value).strip().lower()
     return "true" if text in _TRUE else "false" if text in _FALSE else text
   if isinstance(default, bool):
@@ -428,7 +428,7 @@ class Config:
     self.data: data_config.DataConfig = groups.data
     self.run: config_groups.RunConfig = groups.run
     self.checkpoint: config_groups.CheckpointConfig = groups.checkpoint
-    self.decode: config_groups.DecodeConfig = groups.decode
+    self.decode: decode_config.DecodeConfig = groups.decode
     self.startup: config_groups.StartupConfig = groups.startup
     self.rl: RLConfig = groups.rl
     self.tasks: TaskEvalConfig = groups.tasks

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.configuration.config_groups import DecodeConfig
+from MaxText.configuration.decode_config import DecodeConfig
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.errors import UserError
 from MaxText.inference import paged_cache

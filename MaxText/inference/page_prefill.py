@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText.configuration.config_groups import DecodeConfig
+from MaxText.configuration.decode_config import DecodeConfig
 from MaxText.configuration.model_config import ModelConfig
 from MaxText.configuration.vision_config import VisionConfig
 from MaxText.errors import UserError
