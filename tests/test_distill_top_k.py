@@ -326,3 +326,39 @@ def test_a_damaged_manifest_is_one_line(tmp_path, content, problem):
   with pytest.raises(UserError) as raised:
     teacher_top_k.read_manifest(str(tmp_path))
   assert str(raised.value) == f"distill_top_k_path {tmp_path}: {problem}; write the files again", str(raised.value)
+
+
+def _hand_written(tmp_path: Path, part: object, top_k: int = K) -> tuple[str, dict]:
+  """A directory of one train batch whose part file is `part` (an array, or raw bytes), and its manifest."""
+  directory = tmp_path / "hand_written"
+  (directory / "train" / "shard-0").mkdir(parents=True)
+  manifest = {"format": 1, "top_k": top_k, "num_data_shards": 1, "batches_per_part": 64, "data": {},
+              "batches": {"train": 1}}
+  (directory / "manifest.json").write_text(json.dumps(manifest))
+  path = directory / "train" / "shard-0" / "part-00000.npy"
+  if isinstance(part, bytes):
+    path.write_bytes(part)
+  else:
+    np.save(path, part)
+  return str(directory), manifest
+
+
+@pytest.mark.parametrize("part, problem", [
+    (np.zeros((), teacher_top_k.record_dtype(32, K)), r"holds an array of shape \(\) of .*, not \(4,\) of"),
+    (b"\x93NUMPY\x01\x00\x10\x00{'descr': 'zz', }\n", r"is truncated or damaged \(.*EOF in multi-line statement"),
+], ids=["0-d", "damaged-header"])
+def test_a_part_of_no_records_or_with_a_header_numpy_cannot_read_is_one_line(tmp_path, part, problem):
+  """Was: an IndexError traceback (a 0-d array has no record count) and a tokenize.TokenError one (numpy reads the
+  header as Python)."""
+  directory, manifest = _hand_written(tmp_path, part)
+  with pytest.raises(UserError, match=problem):
+    teacher_top_k.TopKFiles(directory, manifest, "train", teacher_top_k.HostShard(0, 1, ROWS), 32)
+
+
+def test_a_manifest_k_beyond_the_vocabulary_is_one_line(tmp_path):
+  """Was: accepted, then numpy's ValueError traceback laying out a record of that k."""
+  directory, manifest = _hand_written(tmp_path, np.zeros(ROWS, teacher_top_k.record_dtype(32, K)), top_k=2 ** 40)
+  data = _config("", distill_top_k_path=directory).data
+  with pytest.raises(UserError, match=r"holds the teacher's top 1099511627776, more tokens than vocab_size=128; the "
+                     "files are damaged or not this writer's"):
+    teacher_top_k.check_manifest(directory, teacher_top_k.read_manifest(directory), data, K, 1, "train", 1)

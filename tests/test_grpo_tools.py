@@ -273,6 +273,50 @@ def test_an_environment_that_misbehaves_stops_in_one_line(tokenizer, hostile, na
   assert f"error: {error.value}".startswith(message) and "\n" not in str(error.value)
 
 
+GIL_HANG = """
+import re, sys
+from MaxText.rl import environments
+
+class Backtracks:
+  def step(self, turn):  # exponential backtracking in C, which holds the GIL for as long as it runs
+    return re.match(r"(a+)+$", "a" * 60 + "b")
+
+environments.BACKSTOP_GRACE_S = 0.5
+guarded = environments.Guarded("gil_env:Backtracks", lambda **_: Backtracks(), 0.5)
+guarded.step([Backtracks()], [environments.model_turn("hi", True, 1)], [7])
+"""
+
+
+def test_an_environment_stuck_holding_the_gil_ends_the_process_with_its_stack():
+  """A call stuck in C code that holds the GIL stops every Python thread, the guard's timeout too: the run hung for
+  good. faulthandler's timer needs no GIL: past the timeout and the grace it prints the stacks and exits (status 1)."""
+  import subprocess
+
+  done = subprocess.run([sys.executable, "-c", GIL_HANG], capture_output=True, text=True, timeout=120,
+                        cwd=Path(__file__).parent.parent)
+  assert done.returncode == 1 and "Timeout" in done.stderr and "in step" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_call_the_guard_reports_late_leaves_no_backstop_armed(monkeypatch):
+  """The backstop is let go once the guard reports a call past its time (its thread may run on, the process too)."""
+  monkeypatch.setattr(environments, "BACKSTOP_GRACE_S", 0.2)
+  release = threading.Event()
+
+  class Waits:
+    def step(self, turn):
+      release.wait(10)
+      return ([], 0.0, True)
+
+  env = environments.Guarded("waits", lambda **_: Waits(), 0.2)
+  with pytest.raises(UserError, match="did not return within"):
+    env.step([Waits(), Waits()], [environments.model_turn("hi", True, 1)] * 2, [7, 8])
+  assert not environments._BACKSTOP._deadlines
+  release.set()
+  # The largest timeout the config takes (threading.TIMEOUT_MAX) plus the grace is past faulthandler's timer: capped.
+  env = environments.Guarded("slow", lambda **_: Waits(), threading.TIMEOUT_MAX)
+  assert env.step([Waits()], [environments.model_turn("hi", True, 1)], [7])[0].done
+
+
 def test_numpy_scalars_are_a_steps_reward_and_done():
   """An environment scoring with numpy (np.float32, np.int64, np.bool_) was refused: 'the reward 0.5 ... must be a
   finite number'; a numpy nan is still refused."""

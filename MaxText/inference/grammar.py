@@ -23,12 +23,14 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import llguidance
 import numpy as np
 
-from MaxText.inference import lark_spelling, row_params, tool_calls
+from MaxText.inference import grammar_stack, lark_spelling, row_params, tool_calls
+
+T = TypeVar("T")
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -54,7 +56,7 @@ class Constraint:
   """One request's position in its grammar (a scheduler.TokenConstraint)."""
 
   def __init__(self, grammar: Grammar):
-    self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
+    self._matcher = _on_stack(grammar.text, lambda: llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0))
     self._tokenizer_words = (grammar.tokenizer.vocab_size + 31) // 32  # what llguidance writes
     self.words = row_params.mask_words(grammar.vocab_size)
 
@@ -116,7 +118,7 @@ class Compiler:
 
   def compile(self, text: str) -> Grammar:
     """`text` (an llguidance grammar) checked against the tokenizer; GrammarError says why it does not compile."""
-    message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+    message = _on_stack(text, lambda: llguidance.LLMatcher.validate_grammar(text, self.tokenizer))
     if message and not message.startswith("WARNING"):
       raise GrammarError(_clearer(" ".join(message.split()))[:300])
     grammar = Grammar(text, self.tokenizer, self.vocab_size)
@@ -308,8 +310,12 @@ class _Speller:
       unspelled.append(f"the const {_json(schema['const'])[:40]}")
       return False
     if isinstance(schema.get("enum"), list):
-      kept = [value for value in schema["enum"] if self.spells(_json(value))]
-      unspelled += [f"the enum value {_json(value)[:40]}" for value in schema["enum"] if value not in kept]
+      # Each value written and checked once (was: `not in kept`, quadratic: a 30000-value enum held a thread for
+      # seconds, and 1 == True hid one of the two from the list of what was dropped).
+      texts = [_json(value) for value in schema["enum"]]
+      spelled = [self.spells(text) for text in texts]
+      kept = [value for value, ok in zip(schema["enum"], spelled) if ok]
+      unspelled += [f"the enum value {text[:40]}" for text, ok in zip(texts, spelled) if not ok]
       if not kept:
         return False
       schema["enum"] = kept
@@ -339,8 +345,10 @@ class _Speller:
 
 def _falsify_refs(node: Any, root: Any) -> bool:
   """Each subschema that is a local `$ref` to a pruned (false) schema made false itself, in place: llguidance refuses a
-  reference to a false schema even in a branch it could leave out. True when one was."""
+  reference to a false schema even in a branch it could leave out. True when one was. A schema with an `$id` (a
+  tool's parameters in a call's schema) is the root its own local references resolve in."""
   changed = False
+  root = node if isinstance(node, dict) and isinstance(node.get("$id"), str) else root
   items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
   for key, sub in list(items):
     if isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and _resolve(root, sub["$ref"]) is False:
@@ -445,12 +453,21 @@ def _tool_culprit(tools: list[dict[str, Any]], tokenizer: Any) -> str:
     try:
       text = llguidance.LLMatcher.grammar_from_json_schema(_without_no_ops(parameters),
                                                            defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-      message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+      message = _on_stack(text, lambda: llguidance.LLMatcher.validate_grammar(text, tokenizer))
     except ValueError as e:
       message = str(e)
     if message and not message.startswith("WARNING"):
       return f"the parameters of {tool['function']['name']!r}: {_clearer(' '.join(message.split()), False)}"[:300]
   return ""
+
+
+def _on_stack(text: str, fn: Callable[[], T]) -> T:
+  """fn(), an llguidance call that compiles `text`, with room for its recursion (grammar_stack.py): a chain of
+  references deeper than a thread's stack was a segmentation fault that ended the server."""
+  try:
+    return grammar_stack.call(text, fn)
+  except grammar_stack.TooLarge as e:
+    raise GrammarError(str(e)) from None
 
 
 def _without_no_ops(schema: Any) -> Any:
@@ -489,11 +506,21 @@ def _subschemas(schema: Any) -> Iterator[dict[str, Any]]:
 def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
   """The JSON schema of one call of any of `tools`: its name and its parameters' schema."""
   choices = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
-                                               arguments_key: _without_no_ops(tool["function"].get("parameters")
-                                                                              or ANY_JSON_OBJECT)},
+                                               arguments_key: _parameters(tool)},
               "required": ["name", arguments_key], "additionalProperties": False} for tool in tools]
   schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
   return {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def _parameters(tool: dict[str, Any]) -> Any:
+  """A tool's parameters as the call's schema holds them. Their local `$ref`s ("#/$defs/X", as pydantic writes them,
+  or "#") name places in the parameters, not in the call around them: an `$id` makes the parameters the resource they
+  resolve in (was: "Pointer '/$defs/X' does not exist", and "#" forced a whole call object as an argument)."""
+  parameters = _without_no_ops(tool["function"].get("parameters") or ANY_JSON_OBJECT)
+  if isinstance(parameters, dict) and "$id" not in parameters and any(
+      isinstance(node.get("$ref"), str) for node in _subschemas(parameters)):
+    parameters = {"$id": f"urn:maxtext:tool:{tool['function']['name']}", **parameters}
+  return parameters
 
 
 def tool_call_lark(tools: list[dict[str, Any]], fmt: str, parallel: bool = True) -> str:

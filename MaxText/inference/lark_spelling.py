@@ -27,6 +27,7 @@ _TOKEN = re.compile(r"""
   | (?P<punct>\.\.|[:|()\[\]?*+{},.])
 """, re.VERBOSE)
 _JSON = json.JSONDecoder()
+CHECK_BUDGET = 4096  # terminals compiled by the checks of one grammar, all told
 
 
 class SchemaSpeller(Protocol):
@@ -91,10 +92,15 @@ def _statements(tokens: list[_Tok]) -> list[list[_Tok]]:
   """Token lists of the grammar's statements: one per line, joined by a line starting with `|` and inside brackets."""
   statements: list[list[_Tok]] = [[]]
   depth = 0
+  # Each line break's next token that is not one, found in one backward pass (was: a scan from each line break, which
+  # made a grammar of many lines quadratic).
+  following, after = [""] * len(tokens), ""
+  for i in range(len(tokens) - 1, -1, -1):
+    following[i] = after
+    after = after if tokens[i].kind == "newline" else tokens[i].text
   for i, tok in enumerate(tokens):
     if tok.kind == "newline":
-      following = next((t for t in tokens[i + 1:] if t.kind != "newline"), None)
-      if depth == 0 and not (following is not None and following.text == "|"):
+      if depth == 0 and following[i] != "|":
         statements.append([])
       continue
     depth += tok.text in "([{" and tok.kind == "punct"
@@ -126,6 +132,9 @@ class _Rewriter:
     self.text, self.chars, self.speller, self.satisfiable = text, chars, speller, satisfiable
     self.rules: dict[str, list[_Seq]] = {}
     self.terminals: dict[str, tuple[int, int]] = {}  # a terminal's body span
+    self.terminal_names: dict[str, set[str]] = {}  # the names a terminal's body uses
+    self.users: dict[str, set[str]] = {}  # a name -> the rules whose bodies use it
+    self.checks_left = CHECK_BUDGET
     self.known: set[str] = set()  # imported terminals: taken as they are
     self.imports: list[str] = []
     self.ignores: list[list[_Seq]] = []
@@ -155,43 +164,64 @@ class _Rewriter:
       raise _Unknown(head.text)
     if head.text.lstrip("_")[:1].isupper():
       self.terminals[head.text] = (toks[2].start, toks[-1].end)
+      self.terminal_names[head.text] = {t.text for t in toks[2:] if t.kind == "name"}
     else:
       self.rules[head.text] = _Parser(toks[2:]).alternatives()
+      for name in {t.text for t in toks[2:] if t.kind == "name"}:
+        self.users.setdefault(name, set()).add(head.text)
 
   def run(self) -> Pruned:
-    self.terminal_defs = "".join(self.imports) + "".join(
-        f"\n{name}: ({self.text[a:b]}) & /{self.chars}*/" for name, (a, b) in self.terminals.items())
     self.productive_terminals = {name for name in self.terminals if self._lexeme_ok(name, None)}
+    # A rule is productive once one of its alternatives is; checked again only when a rule it uses becomes so (was:
+    # every rule on every pass, quadratic: a chain of 4000 rules held a compile thread for minutes).
     productive: set[str] = set()
-    changed = True
-    while changed:  # a rule is productive once one of its alternatives is
-      changed = False
-      for name, alternatives in self.rules.items():
-        if name not in productive and any(self._seq_ok(s, productive) for s in alternatives):
-          productive.add(name)
-          changed = True
+    pending = list(self.rules)
+    while pending:
+      name = pending.pop()
+      if name not in productive and any(self._seq_ok(s, productive) for s in self.rules[name]):
+        productive.add(name)
+        pending.extend(self.users.get(name, ()))
     for alternatives in [*self.rules.values(), *self.ignores]:
       self._rewrite(alternatives, productive)
     for name, (a, b) in self.terminals.items():
       self.edits.append((a, b, f"({self.text[a:b]}) & /{self.chars}*/"))
-    text = self.text
-    for a, b, new in sorted(self.edits, reverse=True):
-      text = text[:a] + new + text[b:]
+    pieces, at = [], 0
+    for a, b, new in sorted(self.edits):  # spans that do not overlap, joined once
+      pieces += [self.text[at:a], new]
+      at = b
+    text = "".join(pieces) + self.text[at:]
     text += "".join(f"\n{self.prefix}{i}: {body}" for i, body in enumerate(self.lexemes))
     text += f"\n{self.prefix}_NOTHING: {NOTHING}\n"
     return Pruned(text, "start" in self.rules and "start" not in productive, list(dict.fromkeys(self.unspelled)))
 
   def _lexeme_ok(self, name: str | None, body: str | None) -> bool:
-    """Whether a terminal (or an inline lexeme's body) has a text the tokens write."""
+    """Whether a terminal (or an inline lexeme's body, which names no terminal) has a text the tokens write. Each check
+    compiles the terminals it uses, not all of them (was: every terminal in every check, quadratic in their number);
+    past CHECK_BUDGET terminals compiled the grammar is served as it is."""
+    used = self._used(name) if body is None else set()
+    self.checks_left -= 1 + len(used)
+    if self.checks_left < 0:
+      raise _Unknown("more lexemes than the checks allow")
+    defs = "".join(self.imports) + "".join(f"\n{n}: ({self.text[a:b]}) & /{self.chars}*/"
+                                           for n, (a, b) in self.terminals.items() if n in used)
     if body is not None:
       name = f"{self.prefix}_CHECK"
-      check = f"\n{name}: ({body}) & /{self.chars}*/"
-    else:
-      check = ""
-    ok = self.satisfiable(f"start: {name}{self.terminal_defs}{check}\n")
+      defs += f"\n{name}: ({body}) & /{self.chars}*/"
+    ok = self.satisfiable(f"start: {name}{defs}\n")
     if not ok:
       self.unspelled.append(f"the lexeme {body or name}"[:60])
     return ok
+
+  def _used(self, name: str | None) -> set[str]:
+    """The terminal `name` and those its body uses, and theirs."""
+    used: set[str] = set()
+    pending = [name]
+    while pending:
+      current = pending.pop()
+      if current in self.terminals and current not in used:
+        used.add(current)
+        pending.extend(self.terminal_names[current])
+    return used
 
   def _seq_ok(self, seq: _Seq, productive: set[str]) -> bool:
     return all(item.optional or self._item_ok(item, productive) for item in seq.items)

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tokenize
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import jax
@@ -179,6 +180,9 @@ def check_manifest(directory: str, manifest: Mapping[str, Any], data: DataConfig
                    num_data_shards: int, split: str, batches_needed: int) -> None:
   """One line for files that do not fit the run: another k, data (tokenizer, vocabulary, sequence
   length, dataset, order), batch layout, or fewer batches than it reads."""
+  if manifest["top_k"] > data.vocab_size:  # no writer's: and numpy cannot lay out a record of an absurd k (a traceback)
+    raise _refuse(directory, f"holds the teacher's top {manifest['top_k']}, more tokens than vocab_size="
+                  f"{data.vocab_size}; the files are damaged or not this writer's, write them again")
   if k > manifest["top_k"]:  # a smaller k reads the first k of each sorted record: the same top k
     raise _refuse(directory, f"holds the teacher's top {manifest['top_k']}, this run has distill_top_k={k}; set "
                   f"distill_top_k<={manifest['top_k']} or write the files again with k={k}")
@@ -213,11 +217,14 @@ class TopKFiles:
         raise _refuse(directory, f"{path} is missing; write the files again")
       try:
         data = np.load(path, mmap_mode="r")
-      except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file (numpy finds no header)
+      # EOFError: an empty file (numpy finds no header); TokenError, SyntaxError: a damaged header (numpy reads it as
+      # Python, and its errors were tracebacks)
+      except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise _refuse(directory, f"{path} is truncated or damaged ({reason}); write the files again") from None
       if data.dtype != dtype or data.shape != (records,):
-        raise _refuse(directory, f"{path} holds {data.shape[0]} records of {data.dtype}, not {records} of "
+        # The shape whole: a 0-d array has no record count (was: an IndexError traceback).
+        raise _refuse(directory, f"{path} holds an array of shape {data.shape} of {data.dtype}, not ({records},) of "
                       f"{dtype}; write the files again")
       self._parts.append(data)
     self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teacher-top-k")

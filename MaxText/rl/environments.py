@@ -11,7 +11,9 @@ keyword arguments (`prompt` and every other column) and returns an episode objec
 `step` may also return a (messages, reward, done) tuple. A message is a dict with a "role" (tool,
 user or system) and a string "content". Every call runs guarded (`Guarded`): one that raises (an
 exit included), does not return within rl_environment_timeout_seconds or returns anything else
-stops the run with one `error:` line naming the environment, the call and the prompt record. Each
+stops the run with one `error:` line naming the environment, the call and the prompt record (one stuck in C code that
+holds the GIL stops every Python thread, that timeout's too: `_Backstop` then ends the process with every thread's
+stack). Each
 episode gets a deep copy of its record, and what the calls return is copied (as JSON): later changes
 to either reach nothing the run keeps. A tool call the model wrote badly is not an error: the
 episode's `step` gets it (`malformed`) and answers the model, as the calculator does.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import json
 import math
 import numbers
@@ -75,15 +78,53 @@ def load(path: str) -> Callable[..., Any]:
   return rewards.load_dotted(path, "rl_environment", BUILTINS, "Name", is_key=True)
 
 
+BACKSTOP_GRACE_S = 30.0
+
+
+class _Backstop:
+  """A call stuck in C code that holds the GIL (a regular expression backtracking without end over the model's text)
+  stops every Python thread: the guard's timeout never fires and the run hung for good. faulthandler's timer thread
+  needs no GIL: armed for the earliest running call's deadline plus BACKSTOP_GRACE_S, it prints every thread's stack
+  and ends the process (status 1). A call that returns, or that the guard reports past its time, is let go."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._deadlines: dict[Any, float] = {}
+
+  def arm(self, call: Any, deadline: float) -> None:
+    with self._lock:
+      self._deadlines[call] = deadline
+      self._set()
+
+  def release(self, call: Any) -> None:
+    with self._lock:
+      if self._deadlines.pop(call, None) is not None:
+        self._set()
+
+  def _set(self) -> None:
+    if self._deadlines:
+      wait = min(self._deadlines.values()) + BACKSTOP_GRACE_S - time.monotonic()
+      # fd 2: sys.stderr may have none; a timeout near threading.TIMEOUT_MAX is past what the timer takes
+      faulthandler.dump_traceback_later(min(max(wait, 1e-3), threading.TIMEOUT_MAX), exit=True, file=2)
+    else:
+      faulthandler.cancel_dump_traceback_later()
+
+
+_BACKSTOP = _Backstop()
+
+
 class _Call(Generic[T]):
   """One call on a daemon thread of its own: one that never returns is left behind, not joined.
-  `finished` (a queue) is told `key` when the call returns or raises."""
+  `finished` (a queue) is told `key` when the call returns or raises; past `deadline` (time.monotonic) the
+  backstop may end the process."""
 
-  def __init__(self, fn: Callable[[], T], finished: queue.SimpleQueue[Any] | None = None, key: Any = None):
+  def __init__(self, fn: Callable[[], T], deadline: float, finished: queue.SimpleQueue[Any] | None = None,
+               key: Any = None):
     self.fn, self.finished, self.key = fn, finished, key
     self.value: T | None = None
     self.error: BaseException | None = None
     self.thread = threading.Thread(target=self._run, name="rl-environment", daemon=True)
+    _BACKSTOP.arm(self, deadline)
     self.thread.start()
 
   def _run(self) -> None:
@@ -91,6 +132,8 @@ class _Call(Generic[T]):
       self.value = self.fn()
     except BaseException as e:  # noqa: BLE001 - the user's code (an exit too): reported by the caller
       self.error = e
+    finally:
+      _BACKSTOP.release(self)
     if self.finished is not None:
       self.finished.put(self.key)
 
@@ -103,7 +146,7 @@ class PendingStep:
                finished: queue.SimpleQueue[Any], key: Any):
     self.guarded, self.index = guarded, index
     self.deadline = time.monotonic() + guarded.timeout_s
-    self.call: _Call[Any] = _Call(_calling(episode, "step", turn), finished, key)
+    self.call: _Call[Any] = _Call(_calling(episode, "step", turn), self.deadline, finished, key)
 
   def ready(self) -> bool:
     """It returned, raised, or ran past rl_environment_timeout_seconds."""
@@ -124,18 +167,24 @@ class Guarded:
   def call_all(self, method: str, calls: Sequence[Callable[[], T]], records: Sequence[int]) -> list[T]:
     """Each call's result, the calls run at once (one thread each), all within timeout_s of the start.
     `method` names the call and `records` each call's prompt record for the error."""
-    running = [_Call(fn) for fn in calls]
     deadline = time.monotonic() + self.timeout_s
+    running = [_Call(fn, deadline) for fn in calls]
     for call in running:
       call.thread.join(max(0.0, deadline - time.monotonic()))
-    for call, record in zip(running, records):
-      self.check(call, method, record)
+    try:
+      for call, record in zip(running, records):
+        self.check(call, method, record)
+    except BaseException:
+      for call in running:  # the run stops with this error: the calls left running are waited for no more
+        _BACKSTOP.release(call)
+      raise
     return [call.value for call in running]  # type: ignore[misc]
 
   def check(self, call: _Call[Any], method: str, record: int) -> None:
     """One line for a call still running (past its time) or one that raised."""
     where = f"(in {method}, prompt record {record})"
     if call.thread.is_alive():
+      _BACKSTOP.release(call)  # this thread runs: the call holds no GIL, and its error follows
       raise UserError(f"environment {self.name} did not return within rl_environment_timeout_seconds="
                       f"{self.timeout_s:g} {where}; make it faster or raise the limit")
     if call.error is not None:

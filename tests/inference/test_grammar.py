@@ -90,6 +90,27 @@ def test_parallel_tool_calls_false_forces_exactly_one_call(compiler):
   assert "tagged (" in grammar.tool_call_lark(TOOLS, "tag")
 
 
+POINT = {"$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                             "required": ["x", "y"], "additionalProperties": False}},
+         "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
+         "additionalProperties": False}  # as pydantic writes a model's schema
+TREE = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["child"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fmt", ["tag", "json"])
+def test_a_forced_calls_parameters_resolve_their_own_references(compiler, fmt):
+  """Inside the call's schema a tool's local `$ref`s pointed at the call: `#/$defs/Point` was a 400 ("Pointer
+  '/$defs/Point' does not exist") and `#` forced a whole call object (name and arguments) as an argument."""
+  compiler, tokenizer = compiler
+  tools = [{"type": "function", "function": {"name": "put", "parameters": POINT}},
+           {"type": "function", "function": {"name": "tree", "parameters": TREE}}]
+  g = compiler.tool_call(tools, fmt, parallel=False)
+  for seed in range(6):
+    [call] = tool_calls.parse(walk(g, tokenizer, seed, limit=800)).calls
+    jsonschema.validate(call.arguments, POINT if call.name == "put" else TREE)
+
+
 def test_the_template_names_its_format():
   assert tool_calls.template_format("{{ '<tool_call>' }}...") == "tag"
   assert tool_calls.template_format('{"name": function name, "parameters": ...}<|python_tag|>') == "json"

@@ -6,6 +6,7 @@ a 500), and one left with no text is a one-line GrammarError (the server's 400) 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +88,37 @@ def test_a_forced_tool_calls_parameters_are_pruned(compiler: Any) -> None:
   lark = grammar.tool_call_lark(tools, "json")
   pruned = grammar.lark_spelling.prune(lark, compiler._written, compiler._speller, compiler._satisfiable)
   assert pruned is not None and pruned.empty and any("name" in u or "az" in u for u in pruned.unspelled), pruned
+
+
+def test_a_long_chain_of_rules_is_pruned_in_linear_time(compiler: Any) -> None:
+  """Which rules have a text was found by passes over every rule until none changed: a chain of 2000 rules, each
+  using the next, took one pass per rule and held a compile thread for half a minute (quadratic: longer ones for
+  hours)."""
+  lark = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(2000)) + 'r2000: "b"\n'
+  started = time.perf_counter()
+  dead, complete = dead_ends(compiler.lark(lark), depth=2)
+  assert time.perf_counter() - started < 10
+  assert not dead
+
+
+class _SpellsAll:
+  def spells(self, text: str) -> bool:
+    return True
+
+  def prune(self, schema: Any, unspelled: list[str]) -> Any:
+    return schema
+
+
+def test_each_terminal_check_compiles_only_the_terminals_it_uses() -> None:
+  """Was: every terminal's check compiled all of the grammar's terminals (quadratic in their number); past
+  CHECK_BUDGET terminals compiled the grammar is served as it is."""
+  from MaxText.inference import lark_spelling
+
+  checked: list[str] = []
+  terminals = "".join(f"T{i}: /b{i}[0-9]/\n" for i in range(300))
+  lark = "start: " + " ".join(f"T{i}" for i in range(300)) + " U\n" + terminals + "U: T1 T2\n"
+  pruned = lark_spelling.prune(lark, "[a-z0-9]", _SpellsAll(), lambda g: checked.append(g) or True)
+  assert pruned is not None and not pruned.empty
+  assert len(checked) == 301 and max(g.count(": ") for g in checked) <= 4, max(checked, key=len)  # start, U, T1, T2
+  many = "start: " + " ".join(f"/c{i}/" for i in range(lark_spelling.CHECK_BUDGET + 1))
+  assert lark_spelling.prune(many, "[a-z0-9]", _SpellsAll(), lambda g: True) is None

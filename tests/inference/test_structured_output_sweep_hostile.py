@@ -6,7 +6,9 @@ arguments are always JSON a client can read."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,10 @@ def test_unique_items_false_is_no_constraint(compiler: Any) -> None:
     '<tool_call>{"name": "f", "arguments": {"a": [Infinity]}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>',
     '{"name": "f", "parameters": {"a": NaN}}',
+    # Past a float's range: was read as inf, and the call's `arguments` string held `Infinity`.
+    '<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": [-2.5e400]}"}</tool_call>',
+    '{"name": "f", "parameters": {"a": 1E+309}}',
 ])
 def test_a_call_with_a_non_json_number_stays_content(text: str) -> None:
   """Python's json reads NaN and Infinity; the call's `arguments` string then held `NaN`, which JSON.parse and other
@@ -187,3 +193,51 @@ def test_a_whole_reply_json_object_with_a_name_and_no_arguments_is_content() -> 
   text = '{"name": "Ada", "born": 1815}'
   assert tool_calls.parse(text) == tool_calls.Parsed(text, [])
   assert tool_calls.parse('<tool_call>{"name": "now"}</tool_call>').calls == [tool_calls.ToolCall("now", {})]
+
+
+DEEP_CHAINS = """
+import sys, threading, tokenizers
+from MaxText.inference import grammar
+
+def main():
+  compiler = grammar.Compiler(tokenizers.Tokenizer.from_file(sys.argv[1]), 272, [2])
+  defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(600)}
+  compiler.json_schema({"$defs": {**defs, "d600": {"type": "integer"}}, "$ref": "#/$defs/d0"})
+  compiler.lark("start: r0\\n" + "".join(f'r{i}: "a" r{i + 1}?\\n' for i in range(3000)) + 'r3000: "b"\\n')
+  print("compiled")
+
+threading.stack_size(2 << 20)  # a worker thread's stack where `ulimit -s` is unlimited
+thread = threading.Thread(target=main)
+thread.start()
+thread.join()
+"""
+
+
+def test_a_long_chain_of_references_compiles_on_a_small_threads_stack(tmp_path: Path) -> None:
+  """llguidance compiles a chain of `$ref`s or of rules naming the next by recursion on the native stack: past the
+  calling thread's it was a segmentation fault, which ended the whole server for one request. (In a subprocess: a
+  crash must fail this test, not the session.)"""
+  tokenizer = write_tokenizer(tmp_path, None) / "tokenizer.json"
+  done = subprocess.run([sys.executable, "-c", DEEP_CHAINS, str(tokenizer)], capture_output=True, text=True,
+                        timeout=600, cwd=Path(__file__).parents[2])
+  assert done.returncode == 0 and done.stdout.strip() == "compiled", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_grammar_too_large_for_any_compile_stack_is_one_line(compiler: Any) -> None:
+  """A chain longer than grammar_stack's largest stack allows is refused before llguidance sees it (was: a
+  segmentation fault)."""
+  c, _ = compiler
+  lark = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(40000)) + 'r40000: "b"\n'
+  with pytest.raises(grammar.GrammarError, match=r"^it is too large to compile: \d+ levels of rules, schema objects "
+                     r"and brackets that may nest \(at most \d+\); split it or make it smaller$"):
+    c.lark(lark)
+
+
+def test_a_large_enum_is_pruned_in_linear_time(compiler: Any) -> None:
+  """With a tokenizer without byte tokens each enum value is checked for a spelling: the check of what was dropped
+  was quadratic (40000 values held a compile thread for tens of seconds)."""
+  c, tokenizer = compiler
+  started = time.perf_counter()
+  g = c.json_schema({"enum": list(range(40000))})
+  assert time.perf_counter() - started < 10
+  assert json.loads(greedy_text(g, tokenizer)) in range(40000)

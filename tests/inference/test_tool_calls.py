@@ -292,3 +292,31 @@ def test_streamed_calls_are_chunks_the_openai_client_reads():
   plain = _streamed("<b>plain</b>")
   assert "".join(c["choices"][0]["delta"].get("content") or "" for c in plain) == "<b>plain</b>"
   assert plain[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_call_named_with_a_lone_surrogate_escape_is_content_and_the_answer_is_utf8():
+  """A model may write `"\\ud800"` in a call's name: json reads it as a lone surrogate, which UTF-8 cannot write, and
+  the unstreamed answer's JSON failed (a 500). Such a name is no call; in the arguments the escape is kept as written."""
+  text = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
+  assert tool_calls.parse(text) == tool_calls.Parsed(text, [])
+  choice = serve_routes.chat_choice(0, text + '<tool_call>{"name": "f", "arguments": {"s": "\\udc00"}}</tool_call>',
+                                    "stop", tools=True)
+  assert json.dumps(choice, ensure_ascii=False).encode()  # what the JSON response writes
+  assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"s": "\udc00"}
+
+
+def test_streaming_many_calls_parses_each_once(monkeypatch):
+  """Each closing tag parsed the whole reply again: a reply of thousands of calls (a model repeating one) held the
+  event loop for a minute. Now the calls before the last settled one are not read again."""
+  parsed: list[str] = []
+  real = tool_calls._call
+  monkeypatch.setattr(tool_calls, "_call", lambda text, *args, **kw: parsed.append(text) or real(text, *args, **kw))
+  call = '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+  bad = '<tool_call>{"name": now}</tool_call>\n'
+  text = (call + bad) * 300
+  splitter, ready = tool_calls.ContentSplitter(), 0
+  for at in range(0, len(text), 7):
+    splitter.add(text[at:at + 7])
+    ready += len(splitter.new_calls())
+  assert ready == 300 and len(parsed) <= 2 * 600, len(parsed)
+  assert splitter.text == text and tool_calls.parse(text).content == ("\n" + bad) * 300
