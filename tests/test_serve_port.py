@@ -38,6 +38,7 @@ def _main_with(monkeypatch, port: int, loaded: list[str], served: list[socket.so
 
   monkeypatch.setattr(uvicorn, "Config", lambda app, **kwargs: None)
   monkeypatch.setattr(uvicorn, "Server", Server)
+  monkeypatch.setattr(serve.serve_app, "run", lambda uv, server, sockets: uv.run(sockets=sockets))
 
   def run(*args, **kwargs):
     raise AssertionError("uvicorn.run binds the port only after the model has loaded")

@@ -26,6 +26,8 @@ ALLOWED = {
                        "local checkout, relative to configs/recipe_lib.sh) are local files; a URL is refused",
     "MaxText/elastic.py": "the elastic supervisor, a launcher: its processes' logs and elastic.jsonl in the local "
                           "run folder it watches (a gs:// run folder is not supported by it yet)",
+    "MaxText/platform/loopback_launch.py": "elastic.py's loopback launcher (split out): the local processes' log "
+                                           "files in the run folder elastic.py watches",
     "MaxText/input_pipeline/teacher_top_k.py": "a distillation teacher's top-k files are memory-mapped (np.load with "
                                                "mmap_mode), so they are local files by design: a gs:// path is refused "
                                                "in one line; a part is written to .tmp and renamed, whole or absent",
