@@ -204,3 +204,34 @@ def test_compiles_for_a_v5p_topology_with_stages(capsys):
   assert "pipeline: circular schedule, 2 stages, 4 microbatches, 1 layers per stage x 2 repeats; 9 iterations, " \
          "bubble fraction 0.111" in out
   assert "fits:" in out
+
+
+def test_1f1b_with_float16_weights_takes_the_per_token_gradient_of_a_large_batch():
+  """1F1B computes its gradients inside its own loop, of the loss summed over the batch, and accumulated them in
+  the weights' dtype: with weight_dtype=float16 and 32768 tokens of one repeated token the output head's
+  gradient passed float16's 65504 and the step's gradients were inf where float32 weights gave finite ones
+  (the loop is not under train_step's per-token division). The head's cotangent is now the step's 1/tokens and
+  the loop accumulates in float32."""
+  def config(dtype: str) -> Config:
+    overrides = {**_model_overrides(2), "per_device_batch_size": 64, "max_target_length": 64}
+    return Config.for_testing(**overrides, weight_dtype=dtype, adam_eps=1e-4, ici_pipeline_parallelism=2,
+                              pipeline_schedule="1f1b", num_pipeline_microbatches=2, ici_data_parallelism=4,
+                              ici_fsdp_parallelism=1)
+
+  half, full = build_run(config("float16")), build_run(config("float32"))
+  state = half.init_state(0)
+  batch = _packed_batch(half.config.data.global_batch_size, 64, 64)
+  batch = {**batch, "inputs": np.full_like(batch["inputs"], 5), "targets": np.full_like(batch["targets"], 5),
+           "inputs_segmentation": np.ones_like(batch["inputs_segmentation"]),
+           "targets_segmentation": np.ones_like(batch["targets_segmentation"]),
+           "inputs_position": np.broadcast_to(np.arange(64, dtype=np.int32), batch["inputs_position"].shape)}
+  assert int(np.sum(batch["targets_segmentation"] > 0)) == 32768
+  full_params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.float32), state.params),
+                               full.setup.state_shardings.params)
+  full_state = full.init_state(0).replace(params=full_params)
+  full_state = full_state.replace(opt_state=jax.jit(full.setup.optimizer.init)(full_params))
+  half_state, half_metrics = half.train_step(state, jax.device_put(batch, half.batch_sharding), jax.random.key(0))
+  _, full_metrics = full.train_step(full_state, jax.device_put(batch, full.batch_sharding), jax.random.key(0))
+  assert np.isfinite(float(full_metrics["grad_norm"]))
+  assert float(half_metrics["grad_norm"]) == pytest.approx(float(full_metrics["grad_norm"]), rel=1e-2)
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(half_state.params))

@@ -74,8 +74,10 @@ def _stage_fn(pipe: PipelineConfig, layer_fn: LayerFn, layer_rngs: jax.Array | N
   return run
 
 
-def _zeros_like(tree: Tree) -> Tree:
-  return jax.tree.map(jnp.zeros_like, tree)
+def _accumulator_zeros(tree: Tree) -> Tree:
+  """Zeros to sum gradients of `tree` in: float32 for float16 weights, whose range a sum over a batch's
+  microbatches passes long before float32's does; other dtypes their own (their results stay unchanged)."""
+  return jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32 if w.dtype == jnp.float16 else w.dtype), tree)
 
 
 def _masked(valid: jax.Array, tree: Tree) -> Tree:
@@ -97,7 +99,9 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
   inputs_MmLD = sharding.constrain(split(x_BLD), (None,) + _STAGE_NAMES[1:])
   positions_MmL, segment_ids_MmL = split(data["positions"]), split(data["segment_ids"])
   head_inputs_M = jax.tree.map(split, data["head_inputs"])
-  aux_cotangents: dict[str, jax.Array] = data["aux_cotangents"]
+  loss_scale = jnp.asarray(data.get("loss_scale", 1.0), jnp.float32)
+  # The loop differentiates loss_scale · loss: the head's cotangent and the aux losses' weights both scaled.
+  aux_cotangents = {name: jnp.asarray(weight, jnp.float32) * loss_scale for name, weight in data["aux_cotangents"].items()}
   weights_PRJ = stage_weights(stacked_state, pipe)
   stages_P = jnp.arange(num_stages)
   run = _stage_fn(pipe, layer_fn, layer_rngs, policy)
@@ -119,7 +123,8 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
     # Added where the pass matches, elementwise over [P, R, J, ...]: XLA fuses it into one in-place update.
     this_pass_PR = pass_P[:, None] == jnp.arange(num_repeats)[None]
     return jax.tree.map(
-        lambda acc, g: acc + jnp.where(this_pass_PR.reshape(this_pass_PR.shape + (1,) * (g.ndim - 1)), g[:, None], 0),
+        lambda acc, g: acc + jnp.where(this_pass_PR.reshape(this_pass_PR.shape + (1,) * (g.ndim - 1)),
+                                       g[:, None].astype(acc.dtype), 0),
         dweights_PRJ, dw_PJ)
 
   forward_stages = jax.vmap(stage_forward, spmd_axis_name="stage")
@@ -147,7 +152,7 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
     """Loss of the microbatch that just left the last stage, and d(loss)/d(head, its activations)."""
     inputs_m = jax.tree.map(lambda x: x[micro], head_inputs_M)
     loss, vjp, sums = jax.vjp(lambda hs, y: head_fn(hs, y, inputs_m), head_state_, y_mLD, has_aux=True)
-    dhead, dy_mLD = vjp(jnp.ones_like(loss))
+    dhead, dy_mLD = vjp(jnp.full_like(loss, loss_scale))
     return dhead, {**sums, "loss": loss}, dy_mLD
 
   def head(carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
@@ -158,7 +163,7 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
       dhead, sums, dy_mLD = jax.lax.cond(
           row["head_valid"], head_loss,
           lambda *a: jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(head_loss, *a)), *args)
-    carry = {**carry, "dhead": jax.tree.map(jnp.add, carry["dhead"], dhead),
+    carry = {**carry, "dhead": jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), carry["dhead"], dhead),
              "sums": jax.tree.map(jnp.add, carry["sums"], sums)}
     return carry, dy_mLD
 
@@ -198,7 +203,7 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
   head_sums = jax.eval_shape(lambda: head_fn(head_state, stage_buffer[0], jax.tree.map(lambda x: x[0], head_inputs_M)))[1]
   carry: dict[str, Any] = {
       "fwd": stage_buffer, "bwd": stage_buffer, "ring": sharding.constrain(ring, _RING_NAMES),
-      "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _zeros_like(weights_PRJ), "dhead": _zeros_like(head_state),
+      "dinputs": jnp.zeros_like(inputs_MmLD), "dweights": _accumulator_zeros(weights_PRJ), "dhead": _accumulator_zeros(head_state),
       "sums": {"loss": zero, **{name: jnp.zeros(v.shape, v.dtype) for name, v in head_sums.items()}},
       "aux": {name: zero for name in aux_names}}
   rows = {"iteration": jnp.arange(table.num_iterations), **{k: jnp.asarray(v) for k, v in table.rows().items()}}
@@ -207,8 +212,9 @@ def _loop(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Poli
   for body, start, end in phases:
     if end > start:
       carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[start:end], rows))  # noqa: B023
-  # [P, R, J, ...] -> the stacked [num_layers, ...] layout (stage s, pass r holds layers (r·P + s)·J ...).
-  dstacked = jax.tree.map(lambda g, w: jnp.swapaxes(g, 0, 1).reshape(w.shape).astype(w.dtype),
+  # [P, R, J, ...] -> the stacked [num_layers, ...] layout (stage s, pass r holds layers (r·P + s)·J ...), still in
+  # the accumulators' dtype: the backward rule casts after its scaling.
+  dstacked = jax.tree.map(lambda g, w: jnp.swapaxes(g, 0, 1).reshape(w.shape),
                           carry["dweights"], stacked_state)
   dx_BLD = _merge_micro(carry["dinputs"]).astype(x_BLD.dtype)
   sums = {**carry["sums"], **{f"aux_{name}": value for name, value in carry["aux"].items()}}
@@ -223,27 +229,31 @@ def pipelined_loss(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, pol
   The loss is the sum of `head_fn`'s losses plus Σ_name aux_cotangents[name] · (the aux `name`
   summed over layers and microbatches). Only the loss is differentiable: the sums ("loss", the
   head's own, "aux_<name>") are metrics. `data`: positions, segment_ids ([B, L] each),
-  head_inputs (name -> [B, ...]), dropout_rng (or None), aux_cotangents (name -> scalar).
+  head_inputs (name -> [B, ...]), dropout_rng (or None), aux_cotangents (name -> scalar), and optionally
+  loss_scale (a scalar, 1 by default): the loop differentiates loss_scale · loss and the backward rule divides it
+  out again, so a caller whose cotangent will be about 1/N passes 1/N and keeps float16 sums in range.
   """
   return _loss_and_grads(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)[0]
 
 
 def _loss_and_grads(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, stacked_state: Stacked,
-                    head_state: Head, x_BLD: jax.Array, data: dict[str, Any]
-                    ) -> tuple[tuple[jax.Array, Sums], tuple[Stacked, Head, jax.Array]]:
+                    head_state: Head, x_BLD: jax.Array, data: dict[str, Any]) -> tuple[tuple[jax.Array, Sums], Any]:
   sums, grads = _loop(pipe, layer_fn, head_fn, policy, stacked_state, head_state, x_BLD, data)
+  # The primal dtypes, as scalars (residuals must be arrays), to cast the scaled gradients back to.
+  dtypes = jax.tree.map(lambda x: jnp.zeros((), x.dtype), (stacked_state, head_state, x_BLD))
+  residuals = (grads, dtypes, jnp.asarray(data.get("loss_scale", 1.0), jnp.float32))
   loss = sums["loss"] + sum((jnp.asarray(weight, jnp.float32) * sums[f"aux_{name}"]
                              for name, weight in data["aux_cotangents"].items() if f"aux_{name}" in sums),
                             jnp.zeros((), jnp.float32))
-  return (loss, sums), grads
+  return (loss, sums), residuals
 
 
-def _backward_rule(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, grads: tuple[Any, Any, jax.Array],
+def _backward_rule(pipe: PipelineConfig, layer_fn: LayerFn, head_fn: HeadFn, policy: Policy, residuals: Any,
                    cotangents: tuple[jax.Array, Sums]) -> tuple[Any, Any, jax.Array, None]:
-  g_loss = cotangents[0]
-  scale = lambda tree: jax.tree.map(lambda x: (g_loss * x).astype(x.dtype), tree)  # noqa: E731
-  dstacked, dhead, dx_BLD = grads
-  return scale(dstacked), scale(dhead), scale(dx_BLD), None
+  grads, dtypes, loss_scale = residuals
+  factor = cotangents[0] / loss_scale  # the loop's gradients are of loss_scale · loss
+  dstacked, dhead, dx_BLD = jax.tree.map(lambda g, like: (factor * g).astype(like.dtype), grads, dtypes)
+  return dstacked, dhead, dx_BLD, None
 
 
 # Forward rule: the loop itself, keeping the gradients as residuals.

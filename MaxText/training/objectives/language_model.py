@@ -104,9 +104,13 @@ class LanguageModel(Objective):
     # d(total)/d(aux summed over layers and microbatches): the load-balancing term enters the
     # loss as its mean over layers and microbatches, weighted by the batch's target count.
     lb_scale = weight_sum / (cfg.pipeline.num_pipeline_microbatches * cfg.num_decoder_layers)
+    # With float16 weights train_step differentiates the loss over its tokens (a cotangent of 1/weight_sum): the
+    # schedule's own loop then takes that per-token gradient, whose sums stay inside float16's range.
+    float16 = any(p.dtype == jnp.float16 for p in jax.tree.leaves(params))
+    loss_scale = 1.0 / jax.lax.stop_gradient(self.divisor({"weight_sum": weight_sum})) if float16 else 1.0
     loss, sums = one_f_one_b_loss(self.model, params, batch, dropout_rng, logits_loss,
                                   {"targets": batch["targets"], "target_weights": target_weights_BL},
-                                  {"moe_lb_loss": self.load_balance_loss_weight * lb_scale})
+                                  {"moe_lb_loss": self.load_balance_loss_weight * lb_scale}, loss_scale)
     lb_sum = sums.get("aux_moe_lb_loss", jnp.zeros((), jnp.float32)) * lb_scale
     return loss, {"xent_sum": sums["xent_sum"], "z_loss_sum": sums["z_loss_sum"], "moe_lb_loss_sum": lb_sum,
                   "weight_sum": weight_sum}

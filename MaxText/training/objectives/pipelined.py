@@ -20,12 +20,13 @@ HeadState = tuple[nnx.State[Any, Any], nnx.State[Any, Any]]
 
 
 def one_f_one_b_loss(model: ModelSpec, params: Params, batch: Batch, dropout_rng: jax.Array | None,
-                     logits_loss: LogitsLoss, head_inputs: Sums, aux_cotangents: dict[str, jax.Array]
-                     ) -> tuple[jax.Array, Sums]:
+                     logits_loss: LogitsLoss, head_inputs: Sums, aux_cotangents: dict[str, jax.Array],
+                     loss_scale: jax.Array | float = 1.0) -> tuple[jax.Array, Sums]:
   """(differentiable loss, sums) of the model under the 1F1B schedule (layers/pipeline_1f1b.py),
   which computes the gradients inside its own loop. `head_inputs` ([B, ...] each) are split into
   microbatches like the batch and handed to `logits_loss`; the loss adds Σ aux_cotangents[name] ·
-  (the aux loss `name` summed over layers and microbatches), the sums hold it as `aux_<name>`."""
+  (the aux loss `name` summed over layers and microbatches), the sums hold it as `aux_<name>`. `loss_scale`:
+  about the cotangent the loss will get (pipeline_1f1b.pipelined_loss), which keeps float16 sums in range."""
   cfg = model.cfg
   module = model.module(params)
   x_BLD = module.embed(batch["inputs"], batch["inputs_position"])
@@ -41,7 +42,8 @@ def one_f_one_b_loss(model: ModelSpec, params: Params, batch: Batch, dropout_rng
     return logits_loss(logits, inputs_m)
 
   data = {"positions": batch["inputs_position"], "segment_ids": batch["inputs_segmentation"],
-          "head_inputs": head_inputs, "dropout_rng": dropout_rng, "aux_cotangents": aux_cotangents}
+          "head_inputs": head_inputs, "dropout_rng": dropout_rng, "aux_cotangents": aux_cotangents,
+          "loss_scale": loss_scale}
   with quantization.use_quantization(cfg.quantization):
     loss, sums = pipeline_1f1b.pipelined_loss(cfg.pipeline, apply_layer, head, remat_policy(cfg),
                                               stacked_state, (norm_state, output_state), x_BLD, data)
